@@ -1,0 +1,35 @@
+# distlion: `make demo` and `make test` set themselves up on a fresh machine.
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: help setup demo test bench lint experiment report clean-runs
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install distlion with its dev tools
+
+demo: setup  ## the main job on the embedded digits data: a method x workers sweep, then results/demo/
+	$(VENV)/bin/distlion-experiment experiments/demo.yaml
+
+test: setup  ## the test suite (about 10 minutes on 2 cores)
+	$(VENV)/bin/pytest -q
+
+bench: setup  ## speed ratios measured side by side; writes results/bench.md
+	$(PY) scripts/bench.py
+
+lint: setup  ## ruff
+	$(VENV)/bin/ruff check distlion tests scripts benchmarks
+
+experiment: setup  ## run one spec of experiments/: make experiment NAME=demo
+	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml
+
+report: setup  ## rebuild a spec's tables and plots from finished runs: make report NAME=demo
+	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --report-only

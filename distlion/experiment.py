@@ -1,0 +1,62 @@
+"""Run an experiment spec: `distlion-experiment experiments/demo.yaml` (or `make experiment NAME=demo`).
+
+A spec (see `experiments/`) names its grid as Hydra multirun sweeps, the seeds and the scale. Each
+sweep runs as one `python -m distlion.train -m ...` into `runs/<name>/`, where every grid point has
+a fixed directory; rerunning the same command skips finished runs and resumes killed ones. Then the
+report (table, CSV, plots) is written into `results/<name>/` with the command that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from distlion.report import write_report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_spec(name_or_path: str) -> tuple[Path, dict]:
+    path = Path(name_or_path)
+    if not path.exists():
+        path = REPO / "experiments" / f"{name_or_path}.yaml"
+    if not path.exists():
+        available = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+        raise SystemExit(f"distlion: error: no experiment spec {name_or_path!r}; choose one of {available}")
+    return path, OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def sweep_commands(spec: dict, extra: list[str]) -> list[list[str]]:
+    """One Hydra multirun command per sweep of the spec."""
+    seeds = ",".join(str(s) for s in spec.get("seeds", [0]))
+    commands = []
+    for sweep in spec["sweeps"]:
+        commands.append([sys.executable, "-m", "distlion.train", "-m", f"experiment={spec['name']}",
+                         *spec.get("base", []), *shlex.split(sweep), f"seed={seeds}", *extra])
+    return commands
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run an experiment spec, then write its tables and plots.")
+    parser.add_argument("spec", help="a spec name in experiments/ or a path to one")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. logger=none)")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the report from finished runs")
+    args = parser.parse_args()
+    path, spec = load_spec(args.spec)
+    if not args.report_only:
+        for command in sweep_commands(spec, args.overrides):
+            print("+", shlex.join(command[1:]), flush=True)
+            subprocess.run(command, cwd=REPO, check=True)
+    shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+                        *args.overrides])
+    runs = write_report(REPO / "runs" / spec["name"], REPO / "results" / spec["name"], shown)
+    print(f"{len(runs)} runs reported in results/{spec['name']}/results.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Distributed Lion (Liu et al. 2024, arXiv 2404.00438, Algorithm 1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distlion.comm.message import Message
+from distlion.comm.packing import alternating_bits, pack_bits, unpack_bits, unpack_uint
+from distlion.comm.voting import count_votes, majority_vote
+from distlion.methods.base import Method, StepContext
+
+AGGREGATIONS = ("mavo", "avg")
+TIE_RULES = ("alternate", "positive", "negative")
+
+
+class DLion(Method):
+    """Distributed Lion: 1-bit signs up, a majority vote (MaVo) or an average (Avg) down.
+
+    Worker i (momentum m_i, never synchronized):
+        delta_i = sign(b1 * m_i + (1 - b1) * g_i)        sent packed, 8 signs per byte
+        m_i     = b2 * m_i + (1 - b2) * g_i
+    Server:
+        mavo: Delta = sign(sum_i delta_i)                1 bit per parameter down
+        avg:  Delta = (1/N) sum_i delta_i                 the +1 counts, ceil(log2(N+1)) bits down
+    Every worker:
+        x = x - lr * (Delta + wd * x)
+
+    The two ties the paper leaves open, since one bit cannot carry a 0:
+      zero_sign: a worker's b1*m + (1-b1)*g exactly 0;
+      mavo_tie:  a MaVo sum of 0 (even N only).
+    Both default to "alternate": +1 where (index + step) is even, else -1, so a coordinate with no
+    information oscillates by lr instead of drifting (a parameter that never gets a gradient stays
+    within lr of where it was). "positive" and "negative" send the tie always to +1 or -1.
+    """
+
+    name = "dlion"
+
+    def __init__(
+        self,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        aggregation: str = "mavo",
+        zero_sign: str = "alternate",
+        mavo_tie: str = "alternate",
+    ):
+        super().__init__(lr, weight_decay)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"method.aggregation={aggregation!r} is unknown; choose one of {AGGREGATIONS}")
+        for setting, value in (("zero_sign", zero_sign), ("mavo_tie", mavo_tie)):
+            if value not in TIE_RULES:
+                raise ValueError(f"method.{setting}={value!r} is unknown; choose one of {TIE_RULES}")
+        self.beta1, self.beta2 = (float(b) for b in betas)
+        self.aggregation = aggregation
+        self.zero_sign = zero_sign
+        self.mavo_tie = mavo_tie
+
+    def init_worker_state(self) -> dict[str, torch.Tensor]:
+        return {"momentum": torch.zeros_like(self.params)}
+
+    def _tie_bits(self, rule: str, num_bytes: int, step: int) -> torch.Tensor | None:
+        if rule == "alternate":
+            return alternating_bits(num_bytes, step, self.params.device)
+        if rule == "positive":
+            return torch.full((num_bytes,), 0xFF, dtype=torch.uint8, device=self.params.device)
+        return None
+
+    def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
+        momentum = state["momentum"]
+        update = momentum.mul(self.beta1).add_(grad, alpha=1 - self.beta1)
+        signs = pack_bits(update > 0)
+        tie = self._tie_bits(self.zero_sign, signs.numel(), ctx.step)
+        if tie is not None:
+            signs |= pack_bits(update == 0) & tie
+        momentum.lerp_(grad, 1 - self.beta2)
+        return Message({"signs": signs})
+
+    def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
+        signs = torch.stack([m["signs"] for m in messages])
+        if self.aggregation == "mavo":
+            tie = self._tie_bits(self.mavo_tie, signs.shape[1], ctx.step)
+            return Message({"vote": majority_vote(signs, tie)})
+        return Message({"counts": count_votes(signs)})
+
+    def apply_rule(self, down: Message, ctx: StepContext) -> None:
+        n = self.params.numel()
+        if self.aggregation == "mavo":
+            delta = unpack_bits(down["vote"], n).to(self.params.dtype).mul_(2).sub_(1)
+        else:
+            # sum_i delta_i = 2 * (#plus) - N, divided by N.
+            counts = unpack_uint(down["counts"], n).to(self.params.dtype)
+            delta = counts.mul_(2).sub_(ctx.num_workers).div_(ctx.num_workers)
+        self.params.mul_(1 - ctx.lr * self.weight_decay).add_(delta, alpha=-ctx.lr)
+
+    def hparams(self) -> dict[str, Any]:
+        return {
+            **super().hparams(),
+            "betas": (self.beta1, self.beta2),
+            "aggregation": self.aggregation,
+            "zero_sign": self.zero_sign,
+            "mavo_tie": self.mavo_tie,
+        }

@@ -1,0 +1,185 @@
+"""Tables and plots from finished runs: `distlion-report runs/demo --out results/demo`.
+
+Reads every `summary.json` (and its `metrics.jsonl`) under a sweep directory, groups runs that
+differ only by seed (mean ± std over seeds, with n), and writes a Markdown table, a CSV of every
+run, and PNG plots: test metric against cumulative communicated bits per parameter, and against
+the number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+_LABELS = {"adamw": "G-AdamW", "lion": "G-Lion", "terngrad": "TernGrad", "dgc": "DGC", "graddrop": "GradDrop"}
+_ORDER = ["G-AdamW", "G-Lion", "TernGrad", "GradDrop", "DGC", "D-Lion (Avg)", "D-Lion (MaVo)"]
+
+
+def method_label(summary: dict[str, Any]) -> str:
+    """The paper's name for a run's method."""
+    if summary["method"] == "dlion":
+        return "D-Lion (MaVo)" if summary.get("method.aggregation") == "mavo" else "D-Lion (Avg)"
+    return _LABELS.get(summary["method"], summary["method"])
+
+
+def load_runs(root: Path) -> list[dict[str, Any]]:
+    """Every finished run under `root`, with its metrics curve under the key "curve"."""
+    runs = []
+    for path in sorted(root.rglob("summary.json")):
+        summary = json.loads(path.read_text())
+        metrics = path.parent / "metrics.jsonl"
+        summary["curve"] = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+        summary["run_dir"] = str(path.parent)
+        summary["label"] = method_label(summary)
+        runs.append(summary)
+    if not runs:
+        raise FileNotFoundError(f"no finished run (summary.json) under {root}; run the sweep first")
+    return runs
+
+
+def _sort_key(label: str) -> tuple[int, str]:
+    return (_ORDER.index(label) if label in _ORDER else len(_ORDER), label)
+
+
+def group_runs(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Runs grouped by (method label, workers, per-worker batch); seeds are the members."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["label"], r["workers"], r["per_worker_batch"])].append(r)
+    return dict(sorted(groups.items(), key=lambda kv: (_sort_key(kv[0][0]), kv[0][1], kv[0][2])))
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def _fmt_metric(metric: str, values: list[float]) -> str:
+    if metric == "eval_accuracy":
+        scaled = [100 * v for v in values]
+        return f"{scaled[0]:.2f}" if len(scaled) == 1 else f"{statistics.mean(scaled):.2f} ± {statistics.stdev(scaled):.2f}"
+    return _mean_std(values)
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    metric = runs[0]["metric"]
+    name = "test accuracy (%)" if metric == "eval_accuracy" else metric.replace("eval_", "validation ")
+    lines = [
+        f"| method | workers | per-worker batch | {name} | n | bits/param/iter up | down | total | total bits communicated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (label, workers, batch), members in group_runs(runs).items():
+        r = members[0]
+        lines.append(
+            f"| {label} | {workers} | {batch} | {_fmt_metric(metric, [m[metric] for m in members])} | {len(members)} "
+            f"| {r['bits_up_per_param_per_iter']:.3f} | {r['bits_down_per_param_per_iter']:.3f} "
+            f"| {r['bits_per_param_per_iter']:.3f} | {statistics.mean(m['total_bits'] for m in members):.3e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+_CSV_FIELDS = ["label", "method", "workers", "per_worker_batch", "seed", "steps", "epochs", "eval_accuracy",
+               "eval_loss", "bits_up_per_param_per_iter", "bits_down_per_param_per_iter", "bits_per_param_per_iter",
+               "cum_bits_per_param", "total_bits", "num_params", "wall_time", "config_hash", "git_sha", "run_dir"]
+
+
+def write_csv(runs: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in sorted(runs, key=lambda r: (_sort_key(r["label"]), r["workers"], r["seed"])):
+            writer.writerow(r)
+
+
+def _colors(labels: list[str]) -> dict[str, Any]:
+    cmap = plt.get_cmap("tab10")
+    return {label: cmap(i % 10) for i, label in enumerate(sorted(set(labels), key=_sort_key))}
+
+
+def plot_metric_vs_bits(runs: list[dict[str, Any]], path: Path) -> None:
+    """Test metric against cumulative bits per parameter (uplink + downlink, per worker), log x."""
+    metric = runs[0]["metric"]
+    colors = _colors([r["label"] for r in runs])
+    worker_counts = sorted({r["workers"] for r in runs})
+    styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, workers, _), members in group_runs(runs).items():
+        points = [(p["cum_bits_per_param"], p[metric]) for p in members[0]["curve"] if metric in p]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, styles[workers], color=colors[label], marker=".", label=f"{label}, N={workers}")
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative bits per parameter communicated per worker (up + down)")
+    ax.set_ylabel("test accuracy" if metric == "eval_accuracy" else metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
+    metric = runs[0]["metric"]
+    by_label: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    for (label, workers, _), members in group_runs(runs).items():
+        values = [m[metric] for m in members]
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        by_label[label].append((workers, statistics.mean(values), spread))
+    colors = _colors(list(by_label))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in by_label.items():
+        xs, ys, es = zip(*sorted(points))
+        ax.errorbar(xs, ys, yerr=es, color=colors[label], marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("test accuracy" if metric == "eval_accuracy" else metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(root: Path, out: Path, command: str | None = None) -> list[dict[str, Any]]:
+    """Table, CSV and plots for the runs under `root`, written into `out`."""
+    runs = load_runs(root)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(runs)
+    header = f"# Results: {out.name}\n\n"
+    if command:
+        header += f"Produced by:\n\n```\n{command}\n```\n\n"
+    seeds = sorted({r["seed"] for r in runs})
+    header += (f"{len(runs)} runs, seeds {seeds}; metric from a real evaluation on the held-out split at the end "
+               "of training; bits counted from the messages each method built.\n\n")
+    (out / "results.md").write_text(header + table + "\n![metric vs bits](metric_vs_bits.png)\n")
+    write_csv(runs, out / "runs.csv")
+    plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
+    if len({r["workers"] for r in runs}) > 1:
+        plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path, help="sweep directory holding run directories")
+    parser.add_argument("--out", type=Path, required=True, help="where to write results.md, runs.csv and plots")
+    parser.add_argument("--command", default=None, help="the command that produced the runs, recorded in results.md")
+    args = parser.parse_args()
+    runs = write_report(args.root, args.out, args.command)
+    print(markdown_table(runs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The runner: `python -m distlion.train method=dlion cluster.workers=8 task=digits seed=0`.
+
+One visible loop, in the order of the paper's Algorithm 1:
+batch -> per-worker gradients -> worker messages -> server message -> apply -> metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from distlion.cluster.grads import worker_grads
+from distlion.cluster.sampler import ShardedSampler, derive_seed
+from distlion.cluster import build_cluster
+from distlion.flat import FlatParams
+from distlion.loggers import build_logger
+from distlion.methods import build_method
+from distlion.runio import (
+    atomic_torch_save,
+    atomic_write_text,
+    config_hash,
+    git_version,
+    read_summary,
+    resolved_config,
+)
+from distlion.schedule import LRSchedule
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names it and says what to change."""
+
+
+def build_run(cfg: DictConfig):
+    """Task, model, flat parameters, cluster and sampler, validated before any training."""
+    method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
+    method = build_method(method_cfg.pop("name"), **method_cfg)
+    task = hydra.utils.instantiate(cfg.task, model=cfg.model, _recursive_=False)
+    sampler = ShardedSampler(task.num_train, cfg.cluster.workers, cfg.cluster.per_worker_batch, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    model.train()
+    flat = FlatParams(model)
+    cluster = build_cluster(cfg.cluster, method, flat, cfg.seed)
+    return task, model, flat, cluster, sampler, method
+
+
+def total_steps(cfg: DictConfig, sampler: ShardedSampler) -> int:
+    if cfg.train.steps is not None:
+        steps = int(cfg.train.steps)
+    else:
+        steps = math.ceil(cfg.train.epochs * sampler.steps_per_epoch)
+    if steps < 1:
+        raise ConfigError(f"the run has {steps} steps; set train.epochs or train.steps to a positive value")
+    return steps
+
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Train one configuration into `run_dir`; returns the summary. Resumes from a checkpoint and
+    skips a finished run of the same config; refuses a directory holding another config's results."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    digest = config_hash(cfg)
+    finished = read_summary(run_dir)
+    if finished is not None:
+        if finished.get("config_hash") == digest:
+            print(f"distlion: {run_dir} already holds this finished run; skipping it", file=sys.stderr)
+            return finished
+        raise ConfigError(
+            f"{run_dir} holds a finished run of another config (hash {finished.get('config_hash')} != {digest}); "
+            "choose another experiment= or hydra.run.dir, finished results are never overwritten"
+        )
+
+    task, model, flat, cluster, sampler, method = build_run(cfg)
+    steps = total_steps(cfg, sampler)
+    method.check_run(steps / sampler.steps_per_epoch)
+    schedule = LRSchedule(method.lr, steps, **cfg.schedule)
+    compute_grads = worker_grads(cfg.cluster.grad_strategy)
+    eval_every = cfg.train.eval_every or max(1, steps // 10)
+    num_params = flat.numel
+    workers = cfg.cluster.workers
+
+    config = resolved_config(cfg)
+    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    state = {"step": 0, "cum_bits_per_param": 0.0, "total_bits": 0, "bits_up": 0, "bits_down": 0}
+    checkpoint_path = run_dir / "checkpoint.pt"
+    if checkpoint_path.exists():
+        state = _resume(checkpoint_path, digest, flat, cluster)
+        print(f"distlion: resuming {run_dir} from step {state['step']}", file=sys.stderr)
+    metrics_path = run_dir / "metrics.jsonl"
+    _truncate_metrics(metrics_path, state["step"])
+
+    name = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else run_dir.name
+    tags = [f"method={method.name}", f"workers={workers}", f"batch={cfg.cluster.per_worker_batch}"]
+    if method.name == "dlion":
+        tags.append(f"aggregation={method.aggregation}")
+    logger = build_logger(cfg.logger, config, str(run_dir), cfg.experiment, name or run_dir.name, tags)
+    start_time = time.time() - state.get("wall_time", 0.0)
+    last_eval: dict[str, float] = {}
+    try:
+        bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps, disable=not cfg.train.progress,
+                   desc=f"{method.name} N={workers}", dynamic_ncols=True, file=sys.stderr)
+        with metrics_path.open("a") as metrics_file:
+            for step in bar:
+                indices = sampler.indices(step)[cluster.local_workers].reshape(-1)
+                inputs, targets = task.train_batch(indices, torch.Generator().manual_seed(derive_seed(cfg.seed, step)))
+                grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
+                                              len(cluster.local_workers))
+                loss = cluster.mean_loss(losses)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(
+                        f"train loss is {loss} at step {step}; lower method.lr (now {method.lr}) or check the data"
+                    )
+                lr = schedule(step)
+                bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step))
+                state["step"] = step + 1
+                state["bits_up"] += sum(bits.up) / workers
+                state["bits_down"] += bits.down
+                state["cum_bits_per_param"] += (sum(bits.up) / workers + bits.down) / num_params
+                state["total_bits"] += bits.total
+                record = {
+                    "step": step + 1,
+                    "epoch": sampler.epoch(step + 1),
+                    "lr": lr,
+                    "train_loss": loss,
+                    "bits_up_per_param": sum(bits.up) / workers / num_params,
+                    "bits_down_per_param": bits.down / num_params,
+                    "cum_bits_per_param": state["cum_bits_per_param"],
+                    "total_bits": state["total_bits"],
+                }
+                is_last = step + 1 == steps
+                if (step + 1) % eval_every == 0 or is_last:
+                    last_eval = task.evaluate(model)
+                    record.update(last_eval)
+                if (step + 1) % cfg.train.log_every == 0 or last_eval is record or "eval_loss" in record or is_last:
+                    record["wall_time"] = time.time() - start_time
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    logger.log(record, step + 1)
+                bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()},
+                                bits=f"{record['cum_bits_per_param']:.3g}")
+                if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0 and not is_last:
+                    state["wall_time"] = time.time() - start_time
+                    _save_checkpoint(checkpoint_path, digest, state, flat, cluster)
+        summary = {
+            "method": method.name,
+            **{f"method.{k}": v for k, v in method.hparams().items() if k != "lr"},
+            "lr": method.lr,
+            "workers": workers,
+            "per_worker_batch": cfg.cluster.per_worker_batch,
+            "global_batch": workers * cfg.cluster.per_worker_batch,
+            "task": cfg.task._target_.rsplit(".", 1)[-1],
+            "seed": cfg.seed,
+            "steps": steps,
+            "epochs": steps / sampler.steps_per_epoch,
+            "num_params": num_params,
+            **last_eval,
+            "metric": task.metric,
+            "bits_up_per_param_per_iter": state["bits_up"] / steps / num_params,
+            "bits_down_per_param_per_iter": state["bits_down"] / steps / num_params,
+            "bits_per_param_per_iter": state["cum_bits_per_param"] / steps,
+            "cum_bits_per_param": state["cum_bits_per_param"],
+            "total_bits": state["total_bits"],
+            "wall_time": time.time() - start_time,
+            "config_hash": digest,
+            **git_version(),
+        }
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        checkpoint_path.unlink(missing_ok=True)
+        return summary
+    finally:
+        logger.finish()
+
+
+def _save_checkpoint(path: Path, digest: str, state: dict, flat: FlatParams, cluster) -> None:
+    atomic_torch_save(
+        {
+            "config_hash": digest,
+            "state": dict(state),
+            "params": {str(d): b.clone() for d, b in flat.buffers.items()},
+            "cluster": cluster.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        path,
+    )
+
+
+def _resume(path: Path, digest: str, flat: FlatParams, cluster) -> dict:
+    checkpoint = torch.load(path, weights_only=False)
+    if checkpoint["config_hash"] != digest:
+        raise ConfigError(
+            f"{path} was written by another config (hash {checkpoint['config_hash']} != {digest}); "
+            "rerun with the original settings, or delete the checkpoint to start over"
+        )
+    for dtype, buffer in flat.buffers.items():
+        buffer.copy_(checkpoint["params"][str(dtype)])
+    cluster.load_state_dict(checkpoint["cluster"])
+    torch.set_rng_state(checkpoint["torch_rng"])
+    return checkpoint["state"]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep only the lines a resumed run will not write again."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    """Console entry point (`distlion-train`). A bad setting prints one line, not a traceback."""
+    try:
+        summary = run(cfg, HydraConfig.get().runtime.output_dir)
+    except (ValueError, FloatingPointError) as err:
+        print(f"distlion: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return summary.get(summary["metric"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Distributed Lion against the paper's equations, hand-computed cases and timm's Lion."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from timm.optim import Lion
+from torch import nn
+
+from distlion import Simulation
+from distlion.cluster.grads import sequential_worker_grads
+from distlion.cluster.simulated import SimulatedCluster
+from distlion.flat import FlatParams
+from distlion.methods import build_method
+
+X0 = [1.0, -1.0, 0.5, 0.0, 2.0]
+# Three workers, five parameters; zeros make worker signs of exactly 0 (ties).
+STEP0 = [[1.0, -2.0, 0.0, 3.0, -1.0], [2.0, 1.0, -1.0, -3.0, 0.0], [-1.0, -1.0, 0.0, 2.0, 4.0]]
+STEP1 = [[0.0] * 5] * 3
+
+
+def run_hand_case(aggregation: str) -> list[torch.Tensor]:
+    sim = Simulation("dlion", [torch.tensor(X0)], num_workers=3, lr=0.1, weight_decay=0.5, aggregation=aggregation)
+    return [sim.step([[torch.tensor(g)] for g in grads]).params[0].clone() for grads in (STEP0, STEP1)]
+
+
+def test_mavo_hand_computed_with_zero_sign_ties():
+    x1, x2 = run_hand_case("mavo")
+    # Step 0: signs of 0.1*g; zeros -> +1 at even index (step 0): w0 [+,-,+,+,-], w1 [+,+,-,-,+],
+    # w2 [-,-,+,+,+]; sums [1,-1,1,1,1] -> Delta [+,-,+,+,+]; x1 = 0.95*x0 - 0.1*Delta.
+    assert torch.allclose(x1, torch.tensor([0.85, -0.85, 0.375, -0.1, 1.8]))
+    # Step 1: g = 0, so the sign is that of m = 0.01*g_prev; zeros -> +1 at odd index (step 1):
+    # w0 [+,-,-,+,-], w1 [+,+,-,-,-], w2 [-,-,-,+,+]; sums [1,-1,-3,1,-1] -> Delta [+,-,-,+,-].
+    expected = x1 * 0.95 - 0.1 * torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])
+    assert torch.allclose(x2, expected)
+
+
+def test_avg_hand_computed():
+    x1, x2 = run_hand_case("avg")
+    third = 1.0 / 3.0
+    assert torch.allclose(x1, torch.tensor(X0) * 0.95 - 0.1 * torch.tensor([third, -third, third, third, third]))
+    expected = x1 * 0.95 - 0.1 * torch.tensor([third, -third, -1.0, third, -third])
+    assert torch.allclose(x2, expected)
+
+
+@pytest.mark.parametrize(
+    ("rule", "delta"),
+    [("alternate", [1.0, -1.0, 1.0, -1.0]), ("positive", [1.0, 1.0, 1.0, -1.0]), ("negative", [-1.0, -1.0, 1.0, -1.0])],
+)
+def test_mavo_tie_rules_even_workers(rule, delta):
+    sim = Simulation("dlion", [torch.zeros(4)], num_workers=2, lr=1.0, mavo_tie=rule)
+    out = sim.step([[torch.tensor([1.0, -1.0, 1.0, -1.0])], [torch.tensor([-1.0, 1.0, 1.0, -1.0])]])
+    assert torch.equal(out.params[0], -torch.tensor(delta))
+
+
+def test_momentum_is_per_worker_and_matches_paper_update():
+    torch.manual_seed(0)
+    sim = Simulation("dlion", [torch.randn(37)], num_workers=3, lr=0.01, betas=(0.9, 0.99))
+    momenta = [torch.zeros(37) for _ in range(3)]
+    x = sim.params[0].clone()
+    for _ in range(5):
+        grads = [torch.randn(37) for _ in range(3)]
+        out = sim.step([[g] for g in grads])
+        signs = torch.stack([torch.sign(0.9 * m + 0.1 * g) for m, g in zip(momenta, grads)])
+        assert (signs != 0).all()
+        x = x - 0.01 * torch.sign(signs.sum(0))
+        momenta = [0.99 * m + 0.01 * g for m, g in zip(momenta, grads)]
+        assert torch.allclose(out.params[0], x, atol=1e-6)
+        for state, m in zip(out.worker_states, momenta):
+            assert torch.allclose(state["momentum"], m, atol=1e-6)
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def per_example_loss(model, x, y):
+    return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+
+def train(method_name: str, num_workers: int, steps: int, identical: bool = False, **hparams):
+    """Our method on N simulated workers, a copy of the model for the reference optimizer, and the
+    global batches. With `identical`, every worker gets the same 8 examples."""
+    model = small_model()
+    reference = copy.deepcopy(model)
+    flat = FlatParams(model)
+    cluster = SimulatedCluster(build_method(method_name, **hparams), flat, num_workers)
+    g = torch.Generator().manual_seed(1)
+    rows = 8 if identical else num_workers * 8
+    batches = [(torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)) for _ in range(steps)]
+    if identical:
+        batches = [(x.repeat(num_workers, 1), y.repeat(num_workers)) for x, y in batches]
+    for step, (x, y) in enumerate(batches):
+        grads, _ = sequential_worker_grads(model, flat, per_example_loss, x, y, num_workers)
+        cluster.step(grads, step=step, lr=hparams["lr"])
+    return model, reference, batches
+
+
+def reference_train(reference: nn.Module, optimizer: torch.optim.Optimizer, batches) -> nn.Module:
+    for x, y in batches:
+        optimizer.zero_grad()
+        per_example_loss(reference, x, y).mean().backward()
+        optimizer.step()
+    return reference
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, atol: float) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=atol, rtol=0), name
+
+
+def test_dlion_one_worker_equals_timm_lion():
+    model, reference, batches = train("dlion", 1, 50, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    optimizer = Lion(reference.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    assert_same_params(model, reference_train(reference, optimizer, batches), atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_dlion_identical_workers_equal_timm_lion(aggregation):
+    """Lossless case: workers with identical data send identical signs, so any vote is exact."""
+    model, reference, batches = train("dlion", 4, 20, identical=True, lr=1e-3, weight_decay=0.1,
+                                      aggregation=aggregation)
+    optimizer = Lion(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    assert_same_params(model, reference_train(reference, optimizer, batches), atol=1e-6)
+
+
+def test_global_adamw_equals_torch_adamw_on_global_batch():
+    model, reference, batches = train("adamw", 4, 20, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999))
+    assert_same_params(model, reference_train(reference, optimizer, batches), atol=1e-5)
+
+
+def test_global_lion_equals_timm_lion_on_global_batch():
+    model, reference, batches = train("lion", 4, 20, lr=1e-3, weight_decay=0.1)
+    optimizer = Lion(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    assert_same_params(model, reference_train(reference, optimizer, batches), atol=1e-5)
+
+
+def test_dlion_differs_from_global_lion_with_disagreeing_workers():
+    """Guards the tests above: with 4 workers on different data, MaVo is not G-Lion."""
+    model, _, _ = train("dlion", 4, 20, lr=1e-3)
+    glion, _, _ = train("lion", 4, 20, lr=1e-3)
+    assert not all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), glion.parameters()))

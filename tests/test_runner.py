@@ -1,0 +1,84 @@
+"""The runner end to end on the digits task: it trains, logs, protects results, rejects bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distlion.cluster.sampler import ShardedSampler
+from distlion.train import run
+
+
+def test_dlion_mavo_4_workers_learns_digits(make_cfg, tmp_path):
+    cfg = make_cfg("method=dlion", "method.aggregation=mavo", "cluster.workers=4", "cluster.per_worker_batch=32")
+    summary = run(cfg, tmp_path)
+    assert summary["eval_accuracy"] >= 0.90  # real evaluation on the 450 held-out images
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == summary["steps"]
+    evals = [line for line in lines if "eval_accuracy" in line]
+    assert len(evals) >= 10
+    assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"]
+    # 1 bit up + 1 bit down per parameter, plus at most 7 padding bits per message.
+    assert 2.0 <= summary["bits_per_param_per_iter"] <= 2.0 + 16 / summary["num_params"]
+    assert lines[-1]["cum_bits_per_param"] == pytest.approx(summary["steps"] * summary["bits_per_param_per_iter"])
+    assert (tmp_path / "config.yaml").exists()
+
+
+def test_sampler_shards_are_disjoint_and_cover_each_epoch():
+    sampler = ShardedSampler(num_examples=100, num_workers=3, per_worker_batch=5, seed=0)
+    assert sampler.steps_per_epoch == 6  # 33 examples per shard, 6 full batches
+    epoch = [sampler.indices(step) for step in range(sampler.steps_per_epoch)]
+    for worker in range(3):
+        seen = set(torch.cat([batch[worker] for batch in epoch]).tolist())
+        assert len(seen) == 30 and seen <= set(sampler.shards[worker].tolist())
+    assert not set(sampler.shards[0].tolist()) & set(sampler.shards[1].tolist())
+    again = ShardedSampler(num_examples=100, num_workers=3, per_worker_batch=5, seed=0)
+    assert all((again.indices(s) == sampler.indices(s)).all() for s in (0, 7, 13))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["method.name=sgd"], "method='sgd' is unknown"),
+        (["method.aggregation=median"], "method.aggregation='median' is unknown"),
+        (["cluster.workers=0"], "cluster.workers=0 must be >= 1"),
+        (["cluster.workers=64", "cluster.per_worker_batch=32"], "cluster.per_worker_batch=32 is larger than a worker's"),
+        (["method.lr=0"], "method.lr=0.0 must be > 0"),
+        (["method.lr=-1"], "method.lr=-1.0 must be > 0"),
+    ],
+)
+def test_bad_settings_fail_before_training_with_one_clear_line(make_cfg, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        run(make_cfg(*overrides), tmp_path)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_nan_loss_stops_with_a_clear_error(make_cfg, tmp_path):
+    cfg = make_cfg("method=adamw", "method.lr=1e30", "train.steps=30", "schedule.name=constant")
+    with pytest.raises(FloatingPointError, match="lower method.lr"):
+        run(cfg, tmp_path)
+
+
+def test_finished_run_is_skipped_and_never_overwritten(make_cfg, tmp_path):
+    summary = run(make_cfg("train.steps=3"), tmp_path)
+    before = (tmp_path / "summary.json").read_text()
+    assert run(make_cfg("train.steps=3"), tmp_path) == json.loads(before)
+    with pytest.raises(ValueError, match="holds a finished run of another config"):
+        run(make_cfg("train.steps=4"), tmp_path)
+    assert (tmp_path / "summary.json").read_text() == before
+    assert summary["steps"] == 3
+
+
+def test_cli_prints_one_error_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "distlion.train", "method.lr=-1", "logger=none", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distlion: error:")]
+    assert errors == ["distlion: error: method.lr=-1.0 must be > 0; set method.lr to a positive learning rate"]
