@@ -33,3 +33,8 @@ experiment: setup  ## run one spec of experiments/: make experiment NAME=demo
 
 report: setup  ## rebuild a spec's tables and plots from finished runs: make report NAME=demo
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --report-only
+
+.PHONY: torchrun-demo
+torchrun-demo: setup  ## D-Lion MaVo on digits with 4 torchrun ranks over gloo (CPU, loopback): runs/torchrun_demo/
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \
+		-m distlion.train cluster=torchdist method=dlion task=digits experiment=torchrun_demo logger=none

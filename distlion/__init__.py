@@ -5,5 +5,6 @@ Built around Distributed Lion (Liu et al. 2024, arXiv 2404.00438).
 
 from distlion.api import Simulation, StepResult
 from distlion.methods import METHODS, Method, StepContext, build_method
+from distlion.optim import DistributedLion
 
-__all__ = ["METHODS", "Method", "Simulation", "StepContext", "StepResult", "build_method"]
+__all__ = ["METHODS", "DistributedLion", "Method", "Simulation", "StepContext", "StepResult", "build_method"]

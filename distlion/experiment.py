@@ -54,7 +54,9 @@ def main() -> None:
             subprocess.run(command, cwd=REPO, check=True)
     shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
                         *args.overrides])
-    runs = write_report(REPO / "runs" / spec["name"], REPO / "results" / spec["name"], shown)
+    report = spec.get("report", {})
+    runs = write_report(REPO / "runs" / spec["name"], REPO / "results" / spec["name"], shown,
+                        columns=report.get("columns"), notes=spec.get("description"))
     print(f"{len(runs)} runs reported in results/{spec['name']}/results.md")
 
 

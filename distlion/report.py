@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import html
 import json
-import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -90,6 +90,34 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pivot_table(runs: list[dict[str, Any]], columns: str = "workers") -> str:
+    """The paper's layout: one row per method, one column per value of `columns` (mean ± std, n)."""
+    metric = runs[0]["metric"]
+    values = sorted({r[columns] for r in runs})
+    cells: dict[str, dict[Any, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        cells[r["label"]][r[columns]].append(r[metric])
+    lines = [f"| method | {' | '.join(f'{columns}={v}' for v in values)} |", "|---|" + "---:|" * len(values)]
+    for label in sorted(cells, key=_sort_key):
+        row = [f"{_fmt_metric(metric, cells[label][v])} (n={len(cells[label][v])})" if cells[label][v] else "—"
+               for v in values]
+        lines.append(f"| {label} | {' | '.join(row)} |")
+    return "\n".join(lines) + "\n"
+
+
+def hparams_table(runs: list[dict[str, Any]]) -> str:
+    """The hyperparameters each method actually ran with, read from the runs' summaries."""
+    lines = ["| method | lr | settings |", "|---|---:|---|"]
+    seen = set()
+    for r in sorted(runs, key=lambda r: _sort_key(r["label"])):
+        settings = ", ".join(f"{k.removeprefix('method.')}={v}" for k, v in sorted(r.items()) if k.startswith("method."))
+        row = f"| {r['label']} | {r['lr']:g} | {settings} |"
+        if row not in seen:
+            seen.add(row)
+            lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
 _CSV_FIELDS = ["label", "method", "workers", "per_worker_batch", "seed", "steps", "epochs", "eval_accuracy",
                "eval_loss", "bits_up_per_param_per_iter", "bits_down_per_param_per_iter", "bits_per_param_per_iter",
                "cum_bits_per_param", "total_bits", "num_params", "wall_time", "config_hash", "git_sha", "run_dir"]
@@ -152,23 +180,62 @@ def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(root: Path, out: Path, command: str | None = None) -> list[dict[str, Any]]:
-    """Table, CSV and plots for the runs under `root`, written into `out`."""
+def plot_loss_curves(runs: list[dict[str, Any]], path: Path) -> None:
+    """Train loss against epochs, one line per (method, workers), first seed."""
+    colors = _colors([r["label"] for r in runs])
+    worker_counts = sorted({r["workers"] for r in runs})
+    styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, workers, _), members in group_runs(runs).items():
+        points = [(p["epoch"], p["train_loss"]) for p in members[0]["curve"] if "train_loss" in p]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, styles[workers], color=colors[label], label=f"{label}, N={workers}", lw=1)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("train loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(root: Path, out: Path, command: str | None = None, columns: str | None = None,
+                 notes: str | None = None) -> list[dict[str, Any]]:
+    """Tables, CSV, plots and a static HTML page for the runs under `root`, written into `out`."""
     runs = load_runs(root)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(runs)
-    header = f"# Results: {out.name}\n\n"
+    parts = [f"# Results: {out.name}\n"]
+    if notes:
+        parts.append(notes.strip() + "\n")
     if command:
-        header += f"Produced by:\n\n```\n{command}\n```\n\n"
+        parts.append(f"Produced by:\n\n```\n{command}\n```\n")
     seeds = sorted({r["seed"] for r in runs})
-    header += (f"{len(runs)} runs, seeds {seeds}; metric from a real evaluation on the held-out split at the end "
-               "of training; bits counted from the messages each method built.\n\n")
-    (out / "results.md").write_text(header + table + "\n![metric vs bits](metric_vs_bits.png)\n")
-    write_csv(runs, out / "runs.csv")
+    parts.append(f"{len(runs)} runs, seeds {seeds}; the metric comes from a real evaluation on the held-out split "
+                 "at the end of training; bits are counted from the messages each method built.\n")
+    if columns:
+        parts.append(pivot_table(runs, columns))
+    parts.append(markdown_table(runs))
+    parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
+    plot_loss_curves(runs, out / "loss_curves.png")
+    plots = ["metric_vs_bits.png", "loss_curves.png"]
     if len({r["workers"] for r in runs}) > 1:
         plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
+        plots.insert(1, "metric_vs_workers.png")
+    parts += [f"![{p[:-4]}]({p})\n" for p in plots]
+    markdown = "\n".join(parts)
+    (out / "results.md").write_text(markdown)
+    write_csv(runs, out / "runs.csv")
+    write_html(markdown, plots, out / "index.html")
     return runs
+
+
+def write_html(markdown: str, plots: list[str], path: Path) -> None:
+    """A static page with the tables (as preformatted Markdown) and the plots side by side."""
+    body = "".join(f'<img src="{p}" style="max-width:48%">' for p in plots)
+    path.write_text(f"<!doctype html><meta charset=utf-8><title>{path.parent.name}</title>"
+                    f"<body style='font-family:sans-serif'><pre>{html.escape(markdown)}</pre>{body}</body>")
 
 
 def main() -> None:

@@ -6,8 +6,10 @@ batch -> per-worker gradients -> worker messages -> server message -> apply -> m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from distlion.cluster.grads import worker_grads
 from distlion.cluster.sampler import ShardedSampler, derive_seed
 from distlion.cluster import build_cluster
 from distlion.flat import FlatParams
-from distlion.loggers import build_logger
+from distlion.loggers import NullLogger, build_logger
 from distlion.methods import build_method
 from distlion.runio import (
     atomic_torch_save,
@@ -90,26 +92,31 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     workers = cfg.cluster.workers
 
     config = resolved_config(cfg)
-    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     state = {"step": 0, "cum_bits_per_param": 0.0, "total_bits": 0, "bits_up": 0, "bits_down": 0}
-    checkpoint_path = run_dir / "checkpoint.pt"
+    # One process per worker (cluster=torchdist): each rank holds its own worker state and file.
+    shard = "" if len(cluster.local_workers) == workers else f".rank{cluster.local_workers[0]}"
+    checkpoint_path = run_dir / f"checkpoint{shard}.pt"
     if checkpoint_path.exists():
         state = _resume(checkpoint_path, digest, flat, cluster)
         print(f"distlion: resuming {run_dir} from step {state['step']}", file=sys.stderr)
     metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, state["step"])
+    if cluster.is_main:  # only one process writes results and logs
+        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        _truncate_metrics(metrics_path, state["step"])
 
     name = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else run_dir.name
     tags = [f"method={method.name}", f"workers={workers}", f"batch={cfg.cluster.per_worker_batch}"]
     if method.name == "dlion":
         tags.append(f"aggregation={method.aggregation}")
-    logger = build_logger(cfg.logger, config, str(run_dir), cfg.experiment, name or run_dir.name, tags)
+    logger = (build_logger(cfg.logger, config, str(run_dir), cfg.experiment, name or run_dir.name, tags)
+              if cluster.is_main else NullLogger())
     start_time = time.time() - state.get("wall_time", 0.0)
     last_eval: dict[str, float] = {}
     try:
-        bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps, disable=not cfg.train.progress,
+        bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps,
+                   disable=not (cfg.train.progress and cluster.is_main),
                    desc=f"{method.name} N={workers}", dynamic_ncols=True, file=sys.stderr)
-        with metrics_path.open("a") as metrics_file:
+        with metrics_path.open("a") if cluster.is_main else open(os.devnull, "w") as metrics_file:
             for step in bar:
                 indices = sampler.indices(step)[cluster.local_workers].reshape(-1)
                 inputs, targets = task.train_batch(indices, torch.Generator().manual_seed(derive_seed(cfg.seed, step)))
@@ -137,8 +144,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                     "cum_bits_per_param": state["cum_bits_per_param"],
                     "total_bits": state["total_bits"],
                 }
+                wire = getattr(bits, "wire", None)  # what this rank's collectives moved (cluster=torchdist)
+                if wire is not None:
+                    record["wire_bytes"] = wire.total
+                    state["wire_bytes"] = state.get("wire_bytes", 0) + wire.total
                 is_last = step + 1 == steps
-                if (step + 1) % eval_every == 0 or is_last:
+                if ((step + 1) % eval_every == 0 or is_last) and cluster.is_main:
                     last_eval = task.evaluate(model)
                     record.update(last_eval)
                 if (step + 1) % cfg.train.log_every == 0 or last_eval is record or "eval_loss" in record or is_last:
@@ -170,15 +181,26 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             "bits_per_param_per_iter": state["cum_bits_per_param"] / steps,
             "cum_bits_per_param": state["cum_bits_per_param"],
             "total_bits": state["total_bits"],
+            **({"wire_bytes_per_step": state["wire_bytes"] / steps} if "wire_bytes" in state else {}),
             "wall_time": time.time() - start_time,
+            "params_sha256": params_digest(flat),
             "config_hash": digest,
             **git_version(),
         }
-        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        if cluster.is_main:
+            atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
         checkpoint_path.unlink(missing_ok=True)
         return summary
     finally:
         logger.finish()
+
+
+def params_digest(flat: FlatParams) -> str:
+    """sha256 of the final parameters' bytes: two runs ended bitwise equal iff these match."""
+    digest = hashlib.sha256()
+    for dtype in flat.dtypes:
+        digest.update(flat.buffers[dtype].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _save_checkpoint(path: Path, digest: str, state: dict, flat: FlatParams, cluster) -> None:

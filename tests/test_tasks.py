@@ -31,8 +31,8 @@ needs_data = pytest.mark.skipif(
 
 # A ViT small enough that tens of steps take seconds on 2 cores.
 TINY_VIT = ["model=vit_cifar_cpu", "model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
-TINY_LLAMA = ["model=llama_cpu", "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
-              "model.num_attention_heads=2", "model.num_key_value_heads=2"]
+TINY_LLAMA = ["model=llama_cpu", "model.hidden_size=32", "model.intermediate_size=64",
+              "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=2"]
 
 
 @pytest.fixture(autouse=True)
@@ -80,11 +80,11 @@ def test_crop_and_flip_are_drawn_from_the_generator():
     b = random_crop_flip(images, 2, True, torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and a.shape == images.shape
     flipped = random_crop_flip(images, 0, True, torch.Generator().manual_seed(0))
-    for out, image in zip(flipped, images):
+    for out, image in zip(flipped, images, strict=True):
         assert torch.equal(out, image) or torch.equal(out, image.flip(-1))
     # Every cropped pixel is either padding (0) or the source pixel at the crop's offset.
     shifted = random_crop_flip(images, 1, False, torch.Generator().manual_seed(3))
-    for out, image in zip(shifted, images):
+    for out, image in zip(shifted, images, strict=True):
         assert any(torch.equal(out, torch.nn.functional.pad(image, (1, 1, 1, 1))[:, y : y + 4, x : x + 4])
                    for y in range(3) for x in range(3))
 
@@ -128,17 +128,18 @@ def test_shakespeare_llama_learns_and_reuses_the_tokenizer_cache(make_cfg, tmp_p
 
 
 def test_byte_tokenizer_blocks_and_unigram_entropy(tmp_path):
-    text = "abab" * 200 + "c" * 200  # p(a) = p(b) = 0.4, p(c) = 0.2 (plus one end-of-text token)
+    text = "abab" * 200 + "c" * 200  # the first 80% (the train split) is "abab" * 200
     (tmp_path / "book.txt").write_text(text)
     task = LanguageModelTask({"max_position_embeddings": 16}, data=str(tmp_path / "book.txt"), block_size=8,
                              tokenizer="bytes", val_fraction=0.2, random_offset=False)
     assert task.tokenizer.vocab_size == 257
     assert task.train_ids[:4].tolist() == list(b"abab") and task.train_ids[-1] == 256
-    counts = torch.tensor([320.0, 320.0, 0.0, 1.0])  # a, b, c, EOT in the first 80% (800 chars)
-    p = counts[counts > 0] / counts.sum()
+    counts = torch.tensor([400.0, 400.0, 1.0])  # a, b and the one end-of-text token
+    p = counts / counts.sum()
     assert task.unigram_entropy == pytest.approx(float(-(p * p.log()).sum()))
     inputs, targets = task.train_batch(torch.tensor([0, 2]), torch.Generator())
-    assert torch.equal(inputs[1], task.train_ids[16:24].long()) and torch.equal(targets[:, :-1], inputs[:, 1:])
+    assert torch.equal(inputs[1], task.train_ids[16:24].long())
+    assert torch.equal(targets[:, :-1], inputs[:, 1:])
     assert task.num_train == 800 // 8 and task.tokens_per_example == 8
 
 
@@ -158,14 +159,25 @@ def write_image_folder(root: Path, classes: int = 3, per_class: int = 4, size: i
 def test_imagenet_path_on_a_tiny_image_folder(make_cfg, tmp_path):
     write_image_folder(tmp_path / "folder")
     cfg = make_cfg("task=imagenet", "model=vit_small_imagenet", "+model.img_size=32", "+model.patch_size=8",
-                   "+model.embed_dim=32", "+model.depth=1", "+model.num_heads=2", f"task.data={tmp_path / 'folder'}",
-                   "task.image_size=32", "task.eval_workers=0", "method=lion", "cluster.workers=2",
-                   "cluster.per_worker_batch=2", "train.steps=6")
+                   "+model.embed_dim=32", "+model.depth=1", "+model.num_heads=2",
+                   f"task.data={tmp_path / 'folder'}", "task.image_size=32", "task.eval_workers=0",
+                   "method=lion", "cluster.workers=2", "cluster.per_worker_batch=2", "train.steps=6")
     summary = run(cfg, tmp_path / "run")
+    task = hydra.utils.instantiate(cfg.task, model=cfg.model, _recursive_=False)
+    batches = [task.train_batch(torch.arange(4), torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(batches[0][0], batches[1][0])  # timm's random transforms drawn from the generator
     assert summary["num_params"] < 100_000  # the tiny variant, with 3 output classes
     assert 0.0 <= summary["eval_accuracy"] <= 1.0 and summary["eval_top5"] == 1.0  # 3 classes < 5
     assert summary["bits_per_param_per_iter"] == 64.0
     assert len([m for m in read_metrics(tmp_path / "run") if "eval_top5" in m]) >= 1
+
+
+def test_data_root_is_the_env_var_else_the_shared_copy(monkeypatch, tmp_path):
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    assert data_root() == tmp_path
+    monkeypatch.delenv(DATA_ENV)
+    shared = data_module.REPO_ROOT.parent / "shared" / "data"
+    assert data_root() == (shared if shared.is_dir() else None)
 
 
 @pytest.mark.parametrize(

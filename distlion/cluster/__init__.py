@@ -13,13 +13,19 @@ from distlion.cluster.simulated import SimulatedCluster, StepBits
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
 
-BACKENDS = ("simulated",)
+BACKENDS = ("simulated", "torchdist")
 
 
 def build_cluster(cfg: Any, method: Method, flat: FlatParams, seed: int):
     """The backend named by `cluster.backend`."""
     if cfg.backend == "simulated":
         return SimulatedCluster(method, flat, cfg.workers, seed=seed)
+    if cfg.backend == "torchdist":
+        # Imported here: torch.distributed is only touched by runs that ask for it.
+        from distlion.cluster.torchdist import TorchDistCluster
+
+        return TorchDistCluster(method, flat, cfg.workers, seed=seed, dist_backend=cfg.dist_backend,
+                                timeout_s=cfg.timeout_s)
     raise ValueError(f"cluster.backend={cfg.backend!r} is unknown; choose one of {BACKENDS}")
 
 

@@ -178,10 +178,6 @@ class _LossModule(nn.Module):
         return self.per_example_loss(self.model, x, y)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The batched strategy's per-module rules.
-
-
 class _Pass:
     """What the rules of one batched pass share: N, B and each parameter's per-worker copies [N, *shape]."""
 
@@ -285,6 +281,38 @@ class _ConvPerWorker(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+class _LayerNormPerWorker(torch.autograd.Function):
+    """y = x̂ ⊙ γ + β with the shared γ, β (x̂: each row normalized); backward splits by worker
+    dγ_i = Σ_{r ∈ R_i} G_r ⊙ x̂_r and dβ_i = Σ_{r ∈ R_i} G_r, and takes dx from the fused kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gammas: torch.Tensor | None, betas: torch.Tensor | None,
+                shape: tuple[int, ...], eps: float) -> torch.Tensor:
+        first = [None if t is None else t[0] for t in (gammas, betas)]
+        y, mean, rstd = torch.native_layer_norm(x, shape, *first, eps)
+        ctx.save_for_backward(x, mean, rstd, gammas, betas)
+        ctx.shape = shape
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        x, mean, rstd, gammas, betas = ctx.saved_tensors
+        n = (gammas if gammas is not None else betas).shape[0]
+        first = [None if t is None else t[0] for t in (gammas, betas)]
+        grad_x = grad_gamma = grad_beta = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                g, x, ctx.shape, mean, rstd, *first, [True, False, False]
+            )[0]
+        g_workers = g.reshape(n, -1, *ctx.shape)
+        if ctx.needs_input_grad[1]:
+            normalized = ((x - mean) * rstd).reshape(g_workers.shape)
+            grad_gamma = (g_workers * normalized).sum(1)
+        if ctx.needs_input_grad[2]:
+            grad_beta = g_workers.sum(1)
+        return grad_x, grad_gamma, grad_beta, None, None
+
+
 Rule = Callable[[nn.Module, _Pass, Callable, tuple, dict], torch.Tensor]
 
 
@@ -313,19 +341,19 @@ def _conv(m: nn.Module, run: _Pass, original: Callable, args: tuple, kwargs: dic
     return _ConvPerWorker.apply(x, run.of(m.weight), None if m.bias is None else run.of(m.bias), m)
 
 
-def _norm(m: nn.Module, run: _Pass, original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
-    """LayerNorm / RMSNorm: normalize with no affine, then y_r = x̂_r ⊙ γ_i + β_i for r ∈ R_i."""
+def _layer_norm(m: nn.LayerNorm, run: _Pass, original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
     x = run.input(m, args, kwargs)
+    gammas = None if m.weight is None else run.of(m.weight)
+    betas = None if m.bias is None else run.of(m.bias)
+    return _LayerNormPerWorker.apply(x, gammas, betas, tuple(m.normalized_shape), m.eps)
+
+
+def _rms_norm(m: nn.RMSNorm, run: _Pass, original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Normalize with no scale, then y_r = x̂_r ⊙ γ_i for r ∈ R_i (autograd splits dγ by worker)."""
+    x = run.input(m, args, kwargs)
+    y = F.rms_norm(x, m.normalized_shape, eps=m.eps)
     shape = (1,) * (x.ndim - 1 - len(m.normalized_shape)) + tuple(m.normalized_shape)
-    if isinstance(m, nn.LayerNorm):
-        y = F.layer_norm(x, m.normalized_shape, eps=m.eps)
-    else:
-        y = F.rms_norm(x, m.normalized_shape, eps=m.eps)
-    if m.weight is not None:
-        y = y * run.rows(m.weight, shape)
-    if getattr(m, "bias", None) is not None:
-        y = y + run.rows(m.bias, shape)
-    return y
+    return y if m.weight is None else y * run.rows(m.weight, shape)
 
 
 def _substituted(names: tuple[str, ...], *, leading: bool) -> Rule:
@@ -371,9 +399,9 @@ _RULES: dict[str, tuple[Rule, tuple[str, ...]]] = {
     "torch.nn.modules.conv.Conv1d": (_conv, ("weight", "bias")),
     "torch.nn.modules.conv.Conv2d": (_conv, ("weight", "bias")),
     "torch.nn.modules.conv.Conv3d": (_conv, ("weight", "bias")),
-    "torch.nn.modules.normalization.LayerNorm": (_norm, ("weight", "bias")),
-    "torch.nn.modules.normalization.RMSNorm": (_norm, ("weight",)),
-    "timm.layers.norm.LayerNorm": (_norm, ("weight", "bias")),
+    "torch.nn.modules.normalization.LayerNorm": (_layer_norm, ("weight", "bias")),
+    "torch.nn.modules.normalization.RMSNorm": (_rms_norm, ("weight",)),
+    "timm.layers.norm.LayerNorm": (_layer_norm, ("weight", "bias")),
     "timm.layers.layer_scale.LayerScale": (_substituted(("gamma",), leading=False), ("gamma",)),
     "timm.models.vision_transformer.VisionTransformer": (
         _vision_transformer,

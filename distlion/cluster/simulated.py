@@ -56,7 +56,11 @@ class SimulatedCluster:
         for dtype, method in self.methods.items():
             ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed)
             if hasattr(method, "prepare"):
-                method.prepare(grads[dtype], ctx)
+                # A pre-exchange round (TernGrad's shared scalers): its bits count as well.
+                pre_up, pre_down = method.prepare(grads[dtype], ctx)
+                for i, message in enumerate(pre_up):
+                    up[i] += message.bits
+                down += pre_down.bits
             messages = []
             for i, state in enumerate(self.worker_states[dtype]):
                 worker_ctx = StepContext(**{**ctx.__dict__, "worker": i})

@@ -35,6 +35,11 @@ class Method(ABC):
     """Base class of every communication method. Subclasses set `name` and the three rules."""
 
     name: ClassVar[str]
+    # How a multi-process backend runs `server_rule` (distlion.cluster.torchdist): "allgather" (every
+    # rank gathers all N uplinks and runs it; valid for any rule), "sharded" (the rule is bytewise
+    # along the last dim of packed uint8 messages, so rank j runs it on the j-th 1/N byte shard) or
+    # "mean" (the rule depends on the uplinks only through their mean: an all-reduce).
+    exchange: ClassVar[str] = "allgather"
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
         if not lr > 0:

@@ -36,6 +36,7 @@ class DLion(Method):
     """
 
     name = "dlion"
+    exchange = "sharded"  # the vote and the count are bytewise, and the tie pattern is the same in every byte
 
     def __init__(
         self,

@@ -18,6 +18,8 @@ from distlion.methods.base import Method, StepContext
 class GlobalOptimizer(Method):
     """Mean of the workers' fp32 gradients, applied by a torch optimizer built in `make_optimizer`."""
 
+    exchange = "mean"  # an fp32 all-reduce
+
     def __init__(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.99)):
         super().__init__(lr, weight_decay)
         self.betas = tuple(float(b) for b in betas)

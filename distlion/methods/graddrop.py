@@ -84,6 +84,8 @@ class SparseExchange(GlobalOptimizer):
       dense:  `mean_grad`, the whole mean fp32: 32 n bits (also on a tie).
     """
 
+    exchange = "allgather"  # every rank gathers the sparse uplinks and runs the server rule itself
+
     def sparsifies(self, segment: Segment) -> bool:
         """Whether a segment's entries are sent sparse (else dense fp32)."""
         return True

@@ -87,6 +87,11 @@ class TernGrad(GlobalOptimizer):
         self.momentum = float(momentum)
         self._shared: tuple[int, torch.Tensor] | None = None
 
+    @property
+    def exchange(self) -> str:
+        """The sum of codes is bytewise on bit-planes (sharded); unternarized fp32 is an all-reduce."""
+        return "sharded" if self.ternarize else "mean"
+
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return base_optimizer(
             self.base_optimizer, params, self.lr, self.weight_decay, self.momentum, self.betas

@@ -1,0 +1,70 @@
+"""A run killed with SIGKILL resumes from its checkpoint and ends bitwise where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distlion.train import run
+
+STEPS = ["train.steps=60", "train.checkpoint_every=10", "train.log_every=5", "train.eval_every=30"]
+
+
+def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "distlion.train", "logger=none", "train.progress=false", *STEPS, *overrides,
+         f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+@pytest.mark.parametrize("method", ["dlion", "adamw"])
+def test_sigkill_then_resume_matches_uninterrupted(make_cfg, tmp_path, method):
+    reference = run(make_cfg(f"method={method}", *STEPS), tmp_path / "reference")
+
+    killed = tmp_path / "killed"
+    process = launch(killed, f"method={method}")
+    deadline = time.time() + 240
+    while last_step(killed) < 25 and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, f"run ended before it could be killed: {process.stderr.read()}"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert (killed / "checkpoint.pt").exists() and not (killed / "summary.json").exists()
+
+    resumed = launch(killed, f"method={method}")
+    _, stderr = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, stderr
+    assert "resuming" in stderr
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["eval_accuracy"] == reference["eval_accuracy"]
+    assert summary["total_bits"] == reference["total_bits"]
+    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 60  # no line lost or written twice
+
+
+def test_checkpoint_from_another_config_is_refused(make_cfg, tmp_path):
+    process = launch(tmp_path)
+    deadline = time.time() + 240
+    while not (tmp_path / "checkpoint.pt").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    with pytest.raises(ValueError, match="was written by another config"):
+        run(make_cfg(*STEPS, "method.lr=0.01"), tmp_path)

@@ -1,0 +1,530 @@
+"""The torch.distributed backend and `DistributedLion` against the simulated cluster, and its faults.
+
+The multi-process tests launch `torchrun` on this very file (run as a script, it is each rank's
+program: see `worker` at the bottom) over loopback gloo, on a free port chosen here, with a hard
+time limit; a job that hangs is killed and the test fails saying so. The jobs are started together
+by one fixture, so they overlap on the 2 cores, and the simulated references run meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+RANKS = 4
+STEPS = 20
+COMMON = [f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.progress=false", "logger=none",
+          f"cluster.workers={RANKS}", "cluster.per_worker_batch=32"]
+# name -> (overrides, the exchange it must use, bitwise equal to the simulated cluster?)
+METHODS = {
+    "dlion": (["method=dlion"], "sharded", True),
+    "dlion_avg": (["method=dlion_avg"], "sharded", True),
+    "terngrad": (["method=terngrad"], "sharded", True),
+    "dgc": (["method=dgc", "method.warmup_epochs=1"], "allgather", True),
+    "graddrop": (["method=graddrop"], "allgather", True),
+    "adamw": (["method=adamw"], "mean", False),
+    "lion": (["method=lion"], "mean", False),
+}
+TWO_RANKS = [*COMMON[:-2], "cluster.workers=2", "cluster.per_worker_batch=32", "method=dlion"]
+OPT_STEPS = 10
+JOB_LIMIT_S = 240  # every job is killed past this; on 2 busy cores a 4-rank start alone takes ~30 s
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the ranks and the references
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weights with decay at the default lr; biases and norms without decay at their own lr."""
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() <= 1]
+    return [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def ternary_grads(model: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    """Gradients in {-1, 0, 1}: exact zeros (the zero_sign tie) and even-N vote ties are common."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(-1, 2, p.shape, generator=g).float() for p in model.parameters()]
+
+
+class Recorder:
+    """Wraps `build_run` and a cluster class's `step`: captures the flat parameters and each step's bits."""
+
+    def __init__(self, cluster_cls):
+        import distlion.train as train
+
+        self.flat, self.steps, self.fault = None, [], None
+        self._train, self._build = train, train.build_run
+        self._cls, self._step = cluster_cls, cluster_cls.step
+        recorder = self
+
+        def build_run(cfg):
+            result = recorder._build(cfg)
+            recorder.flat = result[2]
+            return result
+
+        def step(cluster, grads, step, lr, epoch=0.0):
+            if recorder.fault is not None:
+                recorder.fault(step)
+            bits = recorder._step(cluster, grads, step, lr, epoch)
+            wire = getattr(bits, "wire", None)
+            recorder.steps.append({"up": bits.up, "down": bits.down, "sent": wire.sent if wire else None,
+                                   "received": wire.received if wire else None})
+            return bits
+
+        train.build_run, cluster_cls.step = build_run, step
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {str(d): b.clone() for d, b in self.flat.buffers.items()}
+
+    def restore(self) -> None:
+        self._train.build_run, self._cls.step = self._build, self._step
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching torchrun jobs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """One torchrun job on loopback running `worker` with a spec; killed whole past its limit."""
+
+    def __init__(self, name: str, tmp: Path, nproc: int, spec: dict, max_restarts: int = 0):
+        self.name, self.out = name, tmp / name
+        self.out.mkdir(parents=True)
+        spec_path = self.out / "spec.json"
+        spec_path.write_text(json.dumps({**spec, "out": str(self.out)}))
+        self.log = self.out / "torchrun.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--max-restarts={max_restarts}",
+               "--monitor-interval=0.5", __file__, str(spec_path)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.start = time.monotonic()
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        self.elapsed: float | None = None
+
+    def wait(self) -> tuple[int, str]:
+        """(exit code, output); fails the test if the job outlives its limit."""
+        if self.elapsed is None:
+            try:
+                self.process.wait(timeout=max(1.0, JOB_LIMIT_S - (time.monotonic() - self.start)))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"torchrun job {self.name!r} ran past {JOB_LIMIT_S} s (a rank hung) and was "
+                            f"killed:\n{self.log.read_text()[-3000:]}")
+            self.elapsed = time.monotonic() - self.start
+        return self.process.returncode, self.log.read_text()
+
+    def ok(self) -> Path:
+        code, output = self.wait()
+        assert code == 0, f"torchrun job {self.name!r} failed:\n{output[-4000:]}"
+        return self.out
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """All torchrun jobs, started at once; each test waits for its own."""
+    tmp = tmp_path_factory.mktemp("torchdist")
+    runs = [{"name": name, "overrides": [*COMMON, *overrides]} for name, (overrides, _, _) in METHODS.items()]
+    def faulty(kind: str, step: int, *overrides: str) -> dict:
+        return {"runs": [{"name": "run", "overrides": [*TWO_RANKS, *overrides]}],
+                "fault": {"rank": 1, "step": step, "kind": kind}}
+
+    started = {
+        "main": Job("main", tmp, RANKS, {"runs": runs, "optimizer": True}),
+        "raise": Job("raise", tmp, 2, faulty("raise", 3)),
+        "hang": Job("hang", tmp, 2, faulty("hang", 3, "cluster.timeout_s=10")),
+        "restart": Job("restart", tmp, 2, faulty("kill", 12, "train.checkpoint_every=5"), max_restarts=1),
+    }
+    yield started
+    for job in started.values():
+        job.kill()
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """The simulated cluster's runs of the same configs: final parameters and per-step bits."""
+    from distlion.cluster.simulated import SimulatedCluster
+    from distlion.train import run
+
+    tmp = tmp_path_factory.mktemp("simulated")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (torchrun sets OMP_NUM_THREADS=1): same kernels, same rounding
+    recorder = Recorder(SimulatedCluster)
+    results = {}
+    try:
+        for name, (overrides, _, _) in METHODS.items():
+            recorder.steps = []
+            run(compose(*COMMON, *overrides), tmp / name)
+            results[name] = (recorder.params(), recorder.steps)
+    finally:
+        recorder.restore()
+        torch.set_num_threads(threads)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Equivalence: 4 gloo ranks against 4 simulated workers, 20 steps of the digits task
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_torchdist_ends_with_the_simulated_parameters(jobs, simulated, name):
+    out = jobs["main"].ok()
+    got = torch.load(out / f"{name}.params.pt")
+    expected, _ = simulated[name]
+    bitwise = METHODS[name][2]
+    for dtype, buffer in expected.items():
+        if bitwise:
+            assert torch.equal(got[dtype], buffer), f"{name}: max |diff| {(got[dtype] - buffer).abs().max()}"
+        elif name == "adamw":
+            # The fp32 all-reduce sums in another order than the simulated server (seen: max 4e-6).
+            assert (got[dtype] - buffer).abs().max() <= 1e-4
+        else:
+            # G-Lion: a rounding difference may flip a sign where b1 m + (1 - b1) g is ~0, moving that
+            # entry by 2 lr (seen: none); allow a few such entries, never a drift of all of them.
+            diff = (got[dtype] - buffer).abs()
+            assert (diff > 1e-5).float().mean() < 1e-3, f"{name}: {(diff > 1e-5).sum()} entries differ"
+            assert diff.max() <= 2 * STEPS * 3e-3, f"{name}: max |diff| {diff.max()}"  # lr of tuned/digits_lion
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_torchdist_counts_the_simulated_bits(jobs, simulated, name):
+    out = jobs["main"].ok()
+    _, expected = simulated[name]
+    for rank in range(RANKS):
+        steps = json.loads((out / f"{name}.rank{rank}.json").read_text())
+        assert [(s["up"], s["down"]) for s in steps] == [(s["up"], s["down"]) for s in expected]
+
+
+def nominal_wire(exchange: str, up: list[int], down: int, rank: int, extra_up: int = 0, extra_down: int = 0):
+    """Bytes (sent, received) a rank's collectives must move for the payload, padding not included.
+
+    sharded / mean: each rank serves 1/N of the server, so 1/N of every message stays home;
+    allgather: a rank's uplink goes to its N-1 peers and theirs come to it, nothing comes down.
+    """
+    n = len(up)
+    if exchange in ("sharded", "mean"):
+        per_rank = (n - 1) / n * (up[rank] + down) / 8
+        return per_rank, per_rank
+    return (n - 1) * up[rank] / 8, sum(b for j, b in enumerate(up) if j != rank) / 8
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
+    """Measured bytes per step against the payload: sharded pads the last shard to whole words (< 8 bytes
+    per plane per peer), allgather adds the shapes (8 bytes per dim per peer), mean is exact."""
+    out = jobs["main"].ok()
+    exchange = METHODS[name][1]
+    by_rank = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(RANKS)]
+    layers = len(json.loads((out / "layout.json").read_text()))
+    for step in range(STEPS):
+        records = [steps[step] for steps in by_rank]
+        assert sum(r["sent"] for r in records) == sum(r["received"] for r in records)  # conservation
+        for rank, r in enumerate(records):
+            up, down = r["up"], r["down"]
+            if name == "terngrad":
+                # Scalers (32 bits per layer each way) all-gathered, codes and sums sharded.
+                scalers = 32 * layers
+                pre_sent, _ = nominal_wire("allgather", [scalers] * RANKS, 0, rank)
+                sent, received = nominal_wire("sharded", [u - scalers for u in up], down - scalers, rank)
+                sent, received = sent + pre_sent + (RANKS - 1) * 8, received + pre_sent + (RANKS - 1) * 8
+                planes = 2 + 4  # two code planes up, ceil(log2(2N + 1)) = 4 sum planes down
+            else:
+                sent, received = nominal_wire(exchange, up, down, rank)
+                planes = {"dlion": 2, "dlion_avg": 1 + 3}.get(name, 0)
+            if exchange == "mean":
+                assert abs(r["sent"] - sent) <= 1 and abs(r["received"] - received) <= 1
+            elif exchange == "allgather":
+                shapes = (RANKS - 1) * 8 * 3  # values, indices, dense: one dim each
+                assert r["sent"] - sent == shapes and r["received"] - received == shapes
+            else:
+                padding = 8 * (RANKS - 1) * planes
+                assert 0 <= r["sent"] - sent < padding and 0 <= r["received"] - received < padding, r
+
+
+def test_mavo_moves_one_bit_up_and_one_down_per_parameter(jobs):
+    out = jobs["main"].ok()
+    num_params = sum(json.loads((out / "layout.json").read_text()))
+    steps = json.loads((out / "dlion.rank0.json").read_text())
+    per_param = (steps[-1]["sent"] + steps[-1]["received"]) * 8 / num_params
+    assert 2 * 2 * (RANKS - 1) / RANKS <= per_param < 2 * 2 * (RANKS - 1) / RANKS * 1.01  # (sent + received)
+
+
+# --------------------------------------------------------------------------------------------------
+# DistributedLion
+
+
+def optimizer_reference(aggregation: str, num_workers: int) -> list[torch.Tensor]:
+    """The simulated cluster's D-Lion, one flat buffer per param group, fed the ranks' gradients."""
+    from distlion import Simulation
+
+    model = small_model()
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    groups = param_groups(model)
+    sims = [Simulation("dlion", group["params"], num_workers, lr=group.get("lr", 1e-3),
+                       weight_decay=group["weight_decay"], aggregation=aggregation) for group in groups]
+    for step in range(OPT_STEPS):
+        grads = [ternary_grads(model, rank, step) for rank in range(num_workers)]
+        for sim, group in zip(sims, groups, strict=True):
+            sim.step([[g[index[id(p)]] for p in group["params"]] for g in grads])
+    final = {}
+    for sim, group in zip(sims, groups, strict=True):
+        for p, q in zip(group["params"], sim.params, strict=True):
+            final[index[id(p)]] = q
+    return [final[i] for i in range(len(final))]
+
+
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_distributed_lion_on_4_ranks_equals_the_simulated_cluster(jobs, aggregation):
+    out = jobs["main"].ok()
+    got = torch.load(out / f"optimizer_{aggregation}.pt")
+    for p, q in zip(got, optimizer_reference(aggregation, RANKS), strict=True):
+        assert torch.equal(p, q)
+    wire = json.loads((out / f"optimizer_{aggregation}.rank1.json").read_text())
+    sizes = [sum(p.numel() for p in group["params"]) for group in param_groups(small_model())]
+    planes = 2 if aggregation == "mavo" else 1 + 3
+    # Per group: (N - 1) word-aligned shards of ceil(n / 8) bytes per plane each way.
+    from distlion.cluster.torchdist import shard_bytes
+
+    expected = sum((RANKS - 1) * shard_bytes((n + 7) // 8, RANKS) * planes for n in sizes)
+    assert all(w["sent"] == w["received"] == expected for w in wire)
+
+
+def test_distributed_lion_in_one_process_equals_timm_lion():
+    """No process group: a world of one, which is Lion; param groups and an lr schedule reach the step."""
+    from timm.optim import Lion
+
+    from distlion import DistributedLion
+
+    model, reference = small_model(), small_model()
+    ours = DistributedLion(param_groups(model), lr=1e-3)
+    theirs = Lion(param_groups(reference), lr=1e-3)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (ours, theirs)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        for m, optimizer, schedule in ((model, ours, schedules[0]), (reference, theirs, schedules[1])):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            optimizer.step()
+            schedule.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0)
+    assert ours.wire.total == 0
+
+
+def test_distributed_lion_state_dict_round_trip_continues_the_same_trajectory():
+    from distlion import DistributedLion
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            for p, grad in zip(model.parameters(), ternary_grads(model, 0, step), strict=True):
+                p.grad = grad
+            optimizer.step()
+
+    model = small_model()
+    optimizer = DistributedLion(param_groups(model), lr=1e-3)
+    train(model, optimizer, range(10))
+
+    resumed = small_model()
+    first = DistributedLion(param_groups(resumed), lr=1e-3)
+    train(resumed, first, range(5))
+    saved = (resumed.state_dict(), first.state_dict())
+    resumed = small_model()
+    resumed.load_state_dict(saved[0])
+    second = DistributedLion(param_groups(resumed), lr=1e-3)
+    second.load_state_dict(saved[1])
+    train(resumed, second, range(5, 10))
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# --------------------------------------------------------------------------------------------------
+# Units and one-process cases
+
+
+def test_shards_are_word_aligned_and_cover_the_buffer_with_bounded_padding():
+    from distlion.cluster.torchdist import shard_bytes
+
+    for num_bytes in (0, 1, 7, 8, 63, 64, 12818, 10**6 + 3):
+        for n in (1, 2, 3, 4, 8):
+            shard = shard_bytes(num_bytes, n)
+            assert shard % 8 == 0 and n * shard >= num_bytes and n * shard - num_bytes < 8 * n
+
+
+def test_sharded_exchange_of_packed_planes_is_the_server_rule_in_one_process():
+    from distlion.cluster.torchdist import sharded_exchange
+    from distlion.comm.collectives import Collectives
+    from distlion.comm.message import Message
+    from distlion.methods.base import StepContext
+    from distlion.methods.terngrad import TernGrad
+
+    planes = torch.randint(0, 256, (2, 37), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    method, ctx = TernGrad(), StepContext(step=3, lr=0.1, num_workers=1)
+    down, bits = sharded_exchange(method.server_rule, Message({"codes": planes}), ctx, Collectives.local())
+    assert torch.equal(down["sums"], method.server_rule([Message({"codes": planes})], ctx)["sums"])
+    assert bits == [2 * 37 * 8]
+
+
+def test_without_torchrun_more_than_one_worker_is_refused_with_the_command(tmp_path):
+    from distlion.train import run
+
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 4 -m distlion.train cluster=torchdist"):
+        run(compose("cluster=torchdist", "cluster.workers=4", *COMMON[:4]), tmp_path)
+
+
+def test_one_process_world_equals_one_simulated_worker(tmp_path):
+    import torch.distributed as dist
+
+    from distlion.cluster.simulated import SimulatedCluster
+    from distlion.cluster.torchdist import TorchDistCluster
+    from distlion.train import run
+
+    settings = ["train.steps=5", "train.eval_every=5", "train.progress=false", "logger=none",
+                "cluster.workers=1"]
+    params = {}
+    try:
+        for backend, cls in (("torchdist", TorchDistCluster), ("simulated", SimulatedCluster)):
+            recorder = Recorder(cls)
+            try:
+                run(compose(f"cluster={backend}", *settings), tmp_path / backend)
+                params[backend] = recorder.params()
+            finally:
+                recorder.restore()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert params["torchdist"].keys() == params["simulated"].keys()
+    assert all(torch.equal(params["torchdist"][d], params["simulated"][d]) for d in params["simulated"])
+    summary = json.loads((tmp_path / "torchdist" / "summary.json").read_text())
+    assert summary["wire_bytes_per_step"] == 0  # a world of one sends nothing
+
+
+# --------------------------------------------------------------------------------------------------
+# Faults
+
+
+def test_a_rank_that_raises_stops_every_rank(jobs):
+    code, output = jobs["raise"].wait()
+    assert code != 0
+    assert "injected fault at step 3" in output
+    assert jobs["raise"].elapsed < JOB_LIMIT_S
+
+
+def test_a_hung_rank_makes_the_others_fail_after_the_timeout(jobs):
+    code, output = jobs["hang"].wait()
+    assert code != 0
+    assert "did not reach it within 10 s (cluster.timeout_s)" in output, output[-3000:]
+
+
+def test_a_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_parameters(jobs, tmp_path):
+    from distlion.cluster.simulated import SimulatedCluster
+    from distlion.train import run
+
+    recorder = Recorder(SimulatedCluster)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(compose(*TWO_RANKS), tmp_path)
+        expected = recorder.params()
+    finally:
+        recorder.restore()
+        torch.set_num_threads(threads)
+    out = jobs["restart"].ok()
+    output = (out / "torchrun.log").read_text()
+    assert "killing rank 1 at step 12" in output
+    assert output.count("resuming") == 2, output[-3000:]  # both ranks, from their own checkpoint files
+    got = torch.load(out / "run.params.pt")
+    assert all(torch.equal(got[d], expected[d]) for d in expected)
+    assert not list((out / "run").glob("checkpoint*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The rank's program: `torchrun ... tests/test_torchdist.py SPEC.json`
+
+
+def worker(spec_path: str) -> None:
+    from distlion import DistributedLion
+    from distlion.cluster.torchdist import TorchDistCluster
+    from distlion.train import run
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    rank = int(os.environ["RANK"])
+    fault = spec.get("fault")
+    recorder = Recorder(TorchDistCluster)
+
+    def inject(step: int) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if rank != fault["rank"] or step != fault["step"] or not first_attempt:
+            return
+        if fault["kind"] == "raise":
+            raise RuntimeError(f"injected fault at step {step}")
+        if fault["kind"] == "hang":
+            time.sleep(3600)
+        print(f"killing rank {rank} at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    recorder.fault = inject if fault else None
+    for item in spec["runs"]:
+        recorder.steps = []
+        run(compose("cluster=torchdist", *item["overrides"]), out / item["name"])
+        (out / f"{item['name']}.rank{rank}.json").write_text(json.dumps(recorder.steps))
+        if rank == 0:
+            torch.save(recorder.params(), out / f"{item['name']}.params.pt")
+            layout = recorder.flat.layouts[torch.float32]
+            (out / "layout.json").write_text(json.dumps([s.numel for s in layout]))
+    if spec.get("optimizer"):
+        for aggregation in ("mavo", "avg"):
+            model = small_model()
+            optimizer = DistributedLion(param_groups(model), lr=1e-3, aggregation=aggregation)
+            wire = []
+            for step in range(OPT_STEPS):
+                for p, grad in zip(model.parameters(), ternary_grads(model, rank, step), strict=True):
+                    p.grad = grad
+                before = optimizer.wire
+                optimizer.step()
+                wire.append((optimizer.wire - before).__dict__)
+            (out / f"optimizer_{aggregation}.rank{rank}.json").write_text(json.dumps(wire))
+            if rank == 0:
+                torch.save([p.detach() for p in model.parameters()], out / f"optimizer_{aggregation}.pt")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
