@@ -84,9 +84,10 @@ def _wire_rows(rank: int) -> list[dict]:
         if paper_bits is not None:
             # Sharded server (or ring all-reduce): 1/N of each message stays on the rank; sent = received.
             formula = 2 * (RANKS - 1) / RANKS * sum(paper_bits) * n / 8
+            how = f"2 (N-1)/N x ({paper_bits[0]} + {paper_bits[1]}) bits x n"
             if name == "terngrad":  # one fp32 scaler per layer each way, all-gathered
                 formula += 2 * (RANKS - 1) * 4 * len(layout)
-            how = f"2 (N-1)/N x ({paper_bits[0]} + {paper_bits[1]}) bits x n"
+                how += " + 2 (N-1) x 32 bits x layers"
         else:
             if name == "dgc":  # top 0.1% of each weight matrix, biases dense fp32
                 kept = sum(math.ceil(s.numel * 0.001 - 1e-9) for s in layout if s.is_matrix)
@@ -96,6 +97,7 @@ def _wire_rows(rank: int) -> list[dict]:
             else:  # top 1% of the whole buffer
                 bits_up = 64 * math.ceil(n * 0.01 - 1e-9)
                 how = "2 (N-1) x 64 k bits, k = 1% of n"
+            how += "; no downlink on the wire: every rank runs the server rule"
             formula = 2 * (RANKS - 1) * bits_up / 8
         measured = bits.wire.total
         rows.append({

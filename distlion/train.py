@@ -21,9 +21,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from distlion.cluster.grads import worker_grads
-from distlion.cluster.sampler import ShardedSampler, derive_seed
 from distlion.cluster import build_cluster
+from distlion.cluster.grads import worker_grads
+from distlion.cluster.sampler import ShardedSampler
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import build_method
@@ -36,6 +36,7 @@ from distlion.runio import (
     resolved_config,
 )
 from distlion.schedule import LRSchedule
+from distlion.seeding import derive_seed
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,15 @@ def total_steps(cfg: DictConfig, sampler: ShardedSampler) -> int:
     if steps < 1:
         raise ConfigError(f"the run has {steps} steps; set train.epochs or train.steps to a positive value")
     return steps
+
+
+def worker_batches(task, sampler: ShardedSampler, workers: list[int], step: int, seed: int):
+    """The rows of `workers` in step `step`, worker after worker. Each worker augments its batch with
+    its own generator (seed, step, worker), so a rank under torch.distributed draws what the same
+    worker draws in the simulated cluster."""
+    indices = sampler.indices(step)
+    batches = [task.train_batch(indices[w], torch.Generator().manual_seed(derive_seed(seed, step, w))) for w in workers]
+    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -118,8 +128,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                    desc=f"{method.name} N={workers}", dynamic_ncols=True, file=sys.stderr)
         with metrics_path.open("a") if cluster.is_main else open(os.devnull, "w") as metrics_file:
             for step in bar:
-                indices = sampler.indices(step)[cluster.local_workers].reshape(-1)
-                inputs, targets = task.train_batch(indices, torch.Generator().manual_seed(derive_seed(cfg.seed, step)))
+                inputs, targets = worker_batches(task, sampler, cluster.local_workers, step, cfg.seed)
                 grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
                                               len(cluster.local_workers))
                 loss = cluster.mean_loss(losses)

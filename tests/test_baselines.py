@@ -17,7 +17,7 @@ from distlion.methods import build_method
 from distlion.methods.base import Method, StepContext
 from distlion.methods.dgc import DGC, sampled_topk
 from distlion.methods.graddrop import GradDrop, exact_topk
-from distlion.methods.terngrad import TernGrad, worker_generator
+from distlion.methods.terngrad import TernGrad
 
 # 10 parameters: a 2x4 weight matrix and a bias of 2 (DGC sparsifies only the matrix).
 MATRIX_AND_BIAS = [Segment("w", 0, 8, (2, 4)), Segment("b", 8, 2, (2,))]
@@ -297,11 +297,11 @@ def test_terngrad_is_unbiased_with_a_shared_scaler():
 
 def test_terngrad_randomness_is_seeded_by_seed_step_and_worker():
     ctx = StepContext(step=3, lr=1.0, num_workers=2, worker=1, seed=7)
-    draw = torch.rand(8, generator=worker_generator(ctx))
-    assert torch.equal(draw, torch.rand(8, generator=worker_generator(ctx)))
+    draw = torch.rand(8, generator=ctx.generator())
+    assert torch.equal(draw, torch.rand(8, generator=ctx.generator()))
     for other in ({"worker": 0}, {"step": 4}, {"seed": 8}):
         assert not torch.equal(
-            draw, torch.rand(8, generator=worker_generator(dataclasses.replace(ctx, **other)))
+            draw, torch.rand(8, generator=dataclasses.replace(ctx, **other).generator())
         )
 
 

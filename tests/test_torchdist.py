@@ -24,8 +24,10 @@ from torch import nn
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 RANKS = 4
 STEPS = 20
+# Both backends compute each worker's gradient with its own forward and backward (`sequential`), so the
+# gradients are bitwise the same and only the exchange is compared.
 COMMON = [f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.progress=false", "logger=none",
-          f"cluster.workers={RANKS}", "cluster.per_worker_batch=32"]
+          "cluster.grad_strategy=sequential", f"cluster.workers={RANKS}", "cluster.per_worker_batch=32"]
 # name -> (overrides, the exchange it must use, bitwise equal to the simulated cluster?)
 METHODS = {
     "dlion": (["method=dlion"], "sharded", True),
@@ -232,7 +234,7 @@ def test_torchdist_counts_the_simulated_bits(jobs, simulated, name):
         assert [(s["up"], s["down"]) for s in steps] == [(s["up"], s["down"]) for s in expected]
 
 
-def nominal_wire(exchange: str, up: list[int], down: int, rank: int, extra_up: int = 0, extra_down: int = 0):
+def nominal_wire(exchange: str, up: list[int], down: int, rank: int) -> tuple[float, float]:
     """Bytes (sent, received) a rank's collectives must move for the payload, padding not included.
 
     sharded / mean: each rank serves 1/N of the server, so 1/N of every message stays home;
@@ -349,6 +351,22 @@ def test_distributed_lion_in_one_process_equals_timm_lion():
     assert ours.wire.total == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_distributed_lion_on_cuda_matches_cpu():
+    """Packing, voting and the apply stay on the GPU and compute what the CPU computes."""
+    from distlion import DistributedLion
+
+    models = {device: small_model().to(device) for device in ("cpu", "cuda")}
+    optimizers = {device: DistributedLion(param_groups(m), lr=1e-3) for device, m in models.items()}
+    for step in range(OPT_STEPS):
+        for device, model in models.items():
+            for p, grad in zip(model.parameters(), ternary_grads(model, 0, step), strict=True):
+                p.grad = grad.to(device)
+            optimizers[device].step()
+    for p, q in zip(models["cpu"].parameters(), models["cuda"].parameters(), strict=True):
+        assert q.is_cuda and torch.allclose(p, q.cpu(), atol=1e-6, rtol=0)
+
+
 def test_distributed_lion_state_dict_round_trip_continues_the_same_trajectory():
     from distlion import DistributedLion
 
@@ -417,7 +435,7 @@ def test_one_process_world_equals_one_simulated_worker(tmp_path):
     from distlion.train import run
 
     settings = ["train.steps=5", "train.eval_every=5", "train.progress=false", "logger=none",
-                "cluster.workers=1"]
+                "cluster.grad_strategy=sequential", "cluster.workers=1"]
     params = {}
     try:
         for backend, cls in (("torchdist", TorchDistCluster), ("simulated", SimulatedCluster)):

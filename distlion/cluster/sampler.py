@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import torch
 
-
-def derive_seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (same in every process, unlike str hashing)."""
-    seed = 0
-    for part in parts:
-        seed = (seed * 1_000_003 + int(part) + 1) % (2**63 - 1)
-    return seed
+from distlion.seeding import derive_seed
 
 
 class ShardedSampler:

@@ -133,7 +133,8 @@ def gather_messages(message: Message, comm: Collectives) -> list[Message]:
         return [Message() for _ in range(comm.world_size)]
     tensors = [message[k].contiguous() for k in keys]
     dims = [t.dim() for t in tensors]
-    shapes = comm.all_gather(torch.tensor([d for t in tensors for d in t.shape], dtype=torch.int64))
+    dims_of_all = [d for t in tensors for d in t.shape]
+    shapes = comm.all_gather(torch.tensor(dims_of_all, dtype=torch.int64, device=tensors[0].device))
     payload = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
     layouts = []
     for row in shapes.tolist():
@@ -142,14 +143,14 @@ def gather_messages(message: Message, comm: Collectives) -> list[Message]:
             layout.append((tuple(row[start : start + ndim]), t.dtype))
             start += ndim
         layouts.append(layout)
-    numels = [sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in layout)
-              for layout in layouts]
-    received = comm.all_gather_uneven(payload.to(tensors[0].device), numels)
+    numels = [sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout) for layout in layouts]
+    received = comm.all_gather_uneven(payload, numels)
     messages = []
     for data, layout in zip(received, layouts, strict=True):
         tensors_j, offset = {}, 0
         for key, (shape, dtype) in zip(keys, layout, strict=True):
-            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
+            # A copy: a view at an arbitrary byte offset may not be aligned for `dtype`.
             tensors_j[key] = data[offset : offset + size].clone().view(dtype).view(shape)
             offset += size
         messages.append(Message(tensors_j))

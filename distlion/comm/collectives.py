@@ -115,15 +115,14 @@ class Collectives:
         else:
             own_in, own_out, out_numel = input_splits[r], output_splits[r], sum(output_splits)
         out = tensor.new_empty(out_numel)
-        if not self.distributed:
-            out.copy_(tensor)
-            return out
         size = tensor.element_size()
         self._call(
             "all_to_all", (tensor.numel() - own_in) * size, (out_numel - own_out) * size,
             dist.all_to_all_single, out, tensor,
             output_split_sizes=output_splits, input_split_sizes=input_splits,
         )
+        if not self.distributed:
+            out.copy_(tensor)
         return out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from distlion.comm.message import Message
 from distlion.flat import Layout, Segment
+from distlion.seeding import derive_seed
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class StepContext:
     epoch: float = 0.0
     worker: int = 0
     seed: int = 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The random stream of worker `worker` at step `step`, seeded from (seed, step, worker) alone,
+        so any backend (one process or N) draws the same bits."""
+        return torch.Generator(device=device).manual_seed(derive_seed(self.seed, self.step, self.worker))
 
 
 class Method(ABC):

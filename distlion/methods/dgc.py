@@ -11,7 +11,6 @@ from distlion.comm.message import Message
 from distlion.flat import Segment
 from distlion.methods.base import Method, StepContext
 from distlion.methods.graddrop import SparseExchange, check_fraction, exact_topk, num_kept
-from distlion.methods.terngrad import worker_generator
 
 # Threshold sampling, as in the reference code (github.com/synxlin/deep-gradient-compression).
 SAMPLE_RATIO = 0.01  # fraction of |v| sampled for the threshold
@@ -151,7 +150,7 @@ class DGC(SparseExchange):
                 g = g * (limit / norm)
         u.mul_(self.momentum).add_(g)
         keep = 1 - self.sparsity_at(ctx.epoch)
-        generator = worker_generator(ctx, v.device)
+        generator = ctx.generator(v.device)
         sent = []
         for s in self.sparse_segments:
             vs = v[s.offset : s.stop].add_(u[s.offset : s.stop])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from distlion.comm.message import Message
@@ -26,13 +25,6 @@ def add_planes(a: torch.Tensor, b: torch.Tensor, shift: int, width: int) -> torc
         out.append(x ^ y ^ carry)
         carry = (x & y) | (carry & (x ^ y))
     return torch.stack(out)
-
-
-def worker_generator(ctx: StepContext, device: torch.device | str = "cpu") -> torch.Generator:
-    """The random stream of worker `ctx.worker` at step `ctx.step`, seeded from (seed, step, worker)
-    alone, so any backend (one process or N) draws the same bits."""
-    seed = np.random.SeedSequence([ctx.seed, ctx.step, ctx.worker]).generate_state(1, np.uint64)[0]
-    return torch.Generator(device=device).manual_seed(int(seed))
 
 
 class TernGrad(GlobalOptimizer):
@@ -164,7 +156,7 @@ class TernGrad(GlobalOptimizer):
         scalers = self.shared_scalers(ctx.step)
         g = grad.to(torch.float32)
         # b = [U * S < |clip(g)|] with U ~ U[0, 1): Bernoulli(|g| / S), and never 1 where S = 0.
-        uniform = torch.rand(g.numel(), generator=worker_generator(ctx, g.device), device=g.device)
+        uniform = torch.rand(g.numel(), generator=ctx.generator(g.device), device=g.device)
         keep = torch.empty(g.numel(), dtype=torch.bool, device=g.device)
         for s, scaler in zip(self.layout, scalers, strict=True):
             layer = g[s.offset : s.stop]
