@@ -39,7 +39,9 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
     for path in sorted(root.rglob("summary.json")):
         summary = json.loads(path.read_text())
         metrics = path.parent / "metrics.jsonl"
-        summary["curve"] = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+        summary["curve"] = (
+            [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+        )
         summary["run_dir"] = str(path.parent)
         summary["label"] = method_label(summary)
         runs.append(summary)
@@ -69,7 +71,11 @@ def _mean_std(values: list[float]) -> str:
 def _fmt_metric(metric: str, values: list[float]) -> str:
     if metric == "eval_accuracy":
         scaled = [100 * v for v in values]
-        return f"{scaled[0]:.2f}" if len(scaled) == 1 else f"{statistics.mean(scaled):.2f} ± {statistics.stdev(scaled):.2f}"
+        return (
+            f"{scaled[0]:.2f}"
+            if len(scaled) == 1
+            else f"{statistics.mean(scaled):.2f} ± {statistics.stdev(scaled):.2f}"
+        )
     return _mean_std(values)
 
 
@@ -77,7 +83,8 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     metric = runs[0]["metric"]
     name = "test accuracy (%)" if metric == "eval_accuracy" else metric.replace("eval_", "validation ")
     lines = [
-        f"| method | workers | per-worker batch | {name} | n | bits/param/iter up | down | total | total bits communicated |",
+        f"| method | workers | per-worker batch | {name} | n "
+        "| bits/param/iter up | down | total | total bits communicated |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (label, workers, batch), members in group_runs(runs).items():
@@ -99,8 +106,10 @@ def pivot_table(runs: list[dict[str, Any]], columns: str = "workers") -> str:
         cells[r["label"]][r[columns]].append(r[metric])
     lines = [f"| method | {' | '.join(f'{columns}={v}' for v in values)} |", "|---|" + "---:|" * len(values)]
     for label in sorted(cells, key=_sort_key):
-        row = [f"{_fmt_metric(metric, cells[label][v])} (n={len(cells[label][v])})" if cells[label][v] else "—"
-               for v in values]
+        row = [
+            f"{_fmt_metric(metric, cells[label][v])} (n={len(cells[label][v])})" if cells[label][v] else "—"
+            for v in values
+        ]
         lines.append(f"| {label} | {' | '.join(row)} |")
     return "\n".join(lines) + "\n"
 
@@ -110,7 +119,9 @@ def hparams_table(runs: list[dict[str, Any]]) -> str:
     lines = ["| method | lr | settings |", "|---|---:|---|"]
     seen = set()
     for r in sorted(runs, key=lambda r: _sort_key(r["label"])):
-        settings = ", ".join(f"{k.removeprefix('method.')}={v}" for k, v in sorted(r.items()) if k.startswith("method."))
+        settings = ", ".join(
+            f"{k.removeprefix('method.')}={v}" for k, v in sorted(r.items()) if k.startswith("method.")
+        )
         row = f"| {r['label']} | {r['lr']:g} | {settings} |"
         if row not in seen:
             seen.add(row)
@@ -118,9 +129,27 @@ def hparams_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_CSV_FIELDS = ["label", "method", "workers", "per_worker_batch", "seed", "steps", "epochs", "eval_accuracy",
-               "eval_loss", "bits_up_per_param_per_iter", "bits_down_per_param_per_iter", "bits_per_param_per_iter",
-               "cum_bits_per_param", "total_bits", "num_params", "wall_time", "config_hash", "git_sha", "run_dir"]
+_CSV_FIELDS = [
+    "label",
+    "method",
+    "workers",
+    "per_worker_batch",
+    "seed",
+    "steps",
+    "epochs",
+    "eval_accuracy",
+    "eval_loss",
+    "bits_up_per_param_per_iter",
+    "bits_down_per_param_per_iter",
+    "bits_per_param_per_iter",
+    "cum_bits_per_param",
+    "total_bits",
+    "num_params",
+    "wall_time",
+    "config_hash",
+    "git_sha",
+    "run_dir",
+]
 
 
 def write_csv(runs: list[dict[str, Any]], path: Path) -> None:
@@ -200,8 +229,9 @@ def plot_loss_curves(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(root: Path, out: Path, command: str | None = None, columns: str | None = None,
-                 notes: str | None = None) -> list[dict[str, Any]]:
+def write_report(
+    root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None
+) -> list[dict[str, Any]]:
     """Tables, CSV, plots and a static HTML page for the runs under `root`, written into `out`."""
     runs = load_runs(root)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,8 +241,10 @@ def write_report(root: Path, out: Path, command: str | None = None, columns: str
     if command:
         parts.append(f"Produced by:\n\n```\n{command}\n```\n")
     seeds = sorted({r["seed"] for r in runs})
-    parts.append(f"{len(runs)} runs, seeds {seeds}; the metric comes from a real evaluation on the held-out split "
-                 "at the end of training; bits are counted from the messages each method built.\n")
+    parts.append(
+        f"{len(runs)} runs, seeds {seeds}; the metric comes from a real evaluation on the held-out split "
+        "at the end of training; bits are counted from the messages each method built.\n"
+    )
     if columns:
         parts.append(pivot_table(runs, columns))
     parts.append(markdown_table(runs))
@@ -234,8 +266,10 @@ def write_report(root: Path, out: Path, command: str | None = None, columns: str
 def write_html(markdown: str, plots: list[str], path: Path) -> None:
     """A static page with the tables (as preformatted Markdown) and the plots side by side."""
     body = "".join(f'<img src="{p}" style="max-width:48%">' for p in plots)
-    path.write_text(f"<!doctype html><meta charset=utf-8><title>{path.parent.name}</title>"
-                    f"<body style='font-family:sans-serif'><pre>{html.escape(markdown)}</pre>{body}</body>")
+    path.write_text(
+        f"<!doctype html><meta charset=utf-8><title>{path.parent.name}</title>"
+        f"<body style='font-family:sans-serif'><pre>{html.escape(markdown)}</pre>{body}</body>"
+    )
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that change where or how a run is reported, not what it computes.
-_NOT_HASHED = ("logger", "experiment", "train.progress", "train.log_every", "train.checkpoint_every")
+_NOT_HASHED = ("logger", "experiment", "train.progress", "train.log_every", "train.checkpoint_every", "train.threads")
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:

@@ -14,7 +14,9 @@ from timm.scheduler import CosineLRScheduler
 class LRSchedule:
     """lr(step): linear warm-up over `warmup_steps`, then `name` ("cosine" or "constant")."""
 
-    def __init__(self, base_lr: float, total_steps: int, name: str = "cosine", warmup_steps: int = 0, min_lr_ratio: float = 0.0):
+    def __init__(
+        self, base_lr: float, total_steps: int, name: str = "cosine", warmup_steps: int = 0, min_lr_ratio: float = 0.0
+    ):
         if name not in ("cosine", "constant"):
             raise ValueError(f"schedule.name={name!r} is unknown; choose 'cosine' or 'constant'")
         self._carrier = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)

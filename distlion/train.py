@@ -92,6 +92,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             "choose another experiment= or hydra.run.dir, finished results are never overwritten"
         )
 
+    if cfg.train.get("threads"):
+        torch.set_num_threads(cfg.train.threads)
     task, model, flat, cluster, sampler, method = build_run(cfg)
     steps = total_steps(cfg, sampler)
     method.check_run(steps / sampler.steps_per_epoch)

@@ -26,22 +26,27 @@ def main() -> None:
         print(f"running {path.name} ...", flush=True)
         for row in module.run():
             rows.append({**row, "source": path.name})
-            print(f"  {row['name']}: {row['value']:.3g} {row['unit']} (target {row['target']}) {row['detail']}",
-                  flush=True)
+            print(
+                f"  {row['name']}: {row['value']:.3g} {row['unit']} (target {row['target']}) {row['detail']}",
+                flush=True,
+            )
         print(f"  ({time.time() - start:.0f} s)", flush=True)
     lines = [
         "# Benchmarks",
         "",
         "Produced by `make bench` (`python scripts/bench.py`). Each figure is a ratio of two things measured side by",
         "side in one process (interleaved repetitions, medians), so it survives a slower or busier machine better than",
-        f"a time would. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}.",
+        f"a time would. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}.",
         "",
         "| benchmark | value | unit | target | detail | source |",
         "|---|---:|---|---|---|---|",
     ]
     for row in rows:
-        lines.append(f"| {row['name']} | {row['value']:.3g} | {row['unit']} | {row['target'] or ''} | {row['detail']} "
-                     f"| {row['source']} |")
+        lines.append(
+            f"| {row['name']} | {row['value']:.3g} | {row['unit']} | {row['target'] or ''} | {row['detail']} "
+            f"| {row['source']} |"
+        )
     if only:
         return  # a partial run never replaces the full table
     out = REPO / "results" / "bench.md"

@@ -46,7 +46,10 @@ def test_sampler_shards_are_disjoint_and_cover_each_epoch():
         (["method.name=sgd"], "method='sgd' is unknown"),
         (["method.aggregation=median"], "method.aggregation='median' is unknown"),
         (["cluster.workers=0"], "cluster.workers=0 must be >= 1"),
-        (["cluster.workers=64", "cluster.per_worker_batch=32"], "cluster.per_worker_batch=32 is larger than a worker's"),
+        (
+            ["cluster.workers=64", "cluster.per_worker_batch=32"],
+            "cluster.per_worker_batch=32 is larger than a worker's",
+        ),
         (["method.lr=0"], "method.lr=0 must be > 0"),
         (["method.lr=-1"], "method.lr=-1 must be > 0"),
     ],
@@ -77,7 +80,9 @@ def test_finished_run_is_skipped_and_never_overwritten(make_cfg, tmp_path):
 def test_cli_prints_one_error_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "distlion.train", "method.lr=-1", "logger=none", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("distlion: error:")]
