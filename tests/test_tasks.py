@@ -143,10 +143,11 @@ def test_byte_tokenizer_blocks_and_unigram_entropy(tmp_path):
     assert task.num_train == 800 // 8 and task.tokens_per_example == 8
 
 
-def write_image_folder(root: Path, classes: int = 3, per_class: int = 4, size: int = 40) -> None:
+def write_image_folder(root: Path, classes: int = 3, per_class: int = 4, size: int = 40,
+                       splits: tuple[str, ...] = ("train", "val")) -> None:
     """Classes told apart by colour, so a tiny model can learn them."""
     rng = np.random.default_rng(0)
-    for split in ("train", "val"):
+    for split in splits:
         for c in range(classes):
             folder = root / split / f"class{c}"
             folder.mkdir(parents=True)
@@ -154,6 +155,14 @@ def write_image_folder(root: Path, classes: int = 3, per_class: int = 4, size: i
                 pixels = rng.integers(0, 60, (size, size, 3), dtype=np.uint8)
                 pixels[..., c] += 180
                 Image.fromarray(pixels).save(folder / f"{i}.png")
+
+
+def test_cifar10_from_an_image_folder_tree(tmp_path):
+    write_image_folder(tmp_path / "tree", per_class=2, size=36, splits=("train", "test"))
+    task = Cifar10Task({"img_size": 32}, data=str(tmp_path / "tree"))
+    assert task.train_x.shape == (6, 3, 32, 32) and task.train_x.dtype == torch.uint8  # resized to 32x32
+    assert task.train_y.tolist() == [0, 0, 1, 1, 2, 2] and len(task.test_y) == 6
+    assert task.train_x[2, 1].float().mean() > task.train_x[2, 0].float().mean()  # class1 is green
 
 
 def test_imagenet_path_on_a_tiny_image_folder(make_cfg, tmp_path):
