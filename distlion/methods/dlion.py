@@ -58,6 +58,12 @@ class DLion(Method):
         self.zero_sign = zero_sign
         self.mavo_tie = mavo_tie
 
+    def bind(self, params: torch.Tensor, num_workers: int, layout=None) -> Method:
+        super().bind(params, num_workers, layout)
+        self._scratch = torch.empty_like(params)
+        self._mask = torch.empty_like(params, dtype=torch.bool)
+        return self
+
     def init_worker_state(self) -> dict[str, torch.Tensor]:
         return {"momentum": torch.zeros_like(self.params)}
 
@@ -70,11 +76,14 @@ class DLion(Method):
 
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
         momentum = state["momentum"]
-        update = momentum.mul(self.beta1).add_(grad, alpha=1 - self.beta1)
-        signs = pack_bits(update > 0)
-        tie = self._tie_bits(self.zero_sign, signs.numel(), ctx.step)
-        if tie is not None:
-            signs |= pack_bits(update == 0) & tie
+        # Scratch buffers reused across workers and steps: fresh 4n-byte allocations page-fault.
+        update = torch.mul(momentum, self.beta1, out=self._scratch).add_(grad, alpha=1 - self.beta1)
+        signs = pack_bits(torch.gt(update, 0, out=self._mask))
+        zeros = torch.eq(update, 0, out=self._mask)
+        if zeros.any():  # rare: only then pay for packing the ties
+            tie = self._tie_bits(self.zero_sign, signs.numel(), ctx.step)
+            if tie is not None:
+                signs |= pack_bits(zeros) & tie
         momentum.lerp_(grad, 1 - self.beta2)
         return Message({"signs": signs})
 
@@ -87,13 +96,16 @@ class DLion(Method):
 
     def apply_rule(self, down: Message, ctx: StepContext) -> None:
         n = self.params.numel()
+        self.params.mul_(1 - ctx.lr * self.weight_decay)
         if self.aggregation == "mavo":
-            delta = unpack_bits(down["vote"], n).to(self.params.dtype).mul_(2).sub_(1)
+            # -lr * Delta with Delta = +-1, in one pass over the unpacked bits.
+            plus, minus = (torch.tensor(v, dtype=self.params.dtype) for v in (-ctx.lr, ctx.lr))
+            self.params.add_(torch.where(unpack_bits(down["vote"], n), plus, minus, out=self._scratch))
         else:
             # sum_i delta_i = 2 * (#plus) - N, divided by N.
             counts = unpack_uint(down["counts"], n).to(self.params.dtype)
             delta = counts.mul_(2).sub_(ctx.num_workers).div_(ctx.num_workers)
-        self.params.mul_(1 - ctx.lr * self.weight_decay).add_(delta, alpha=-ctx.lr)
+            self.params.add_(delta, alpha=-ctx.lr)
 
     def hparams(self) -> dict[str, Any]:
         return {

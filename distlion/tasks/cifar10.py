@@ -92,8 +92,8 @@ def mixup_pairs(mixup: Any, inputs: torch.Tensor, targets: torch.Tensor, generat
     """timm Mixup/CutMix of example 2j with example 2j+1 -> (mixed inputs, soft targets).
 
     timm mixes example k with example B-1-k; ordering the batch as (0, 2, 4, ..., 5, 3, 1) makes those
-    pairs (2j, 2j+1), which sit in the same worker's batch when the per-worker batch is even, so no
-    worker trains on another worker's shard.
+    pairs (2j, 2j+1). The runner asks for one worker's batch at a time, but should it pass several
+    workers' rows at once (even per-worker batches), no example is still mixed across two shards.
     """
     b = len(targets)
     if b % 2:
