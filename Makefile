@@ -28,8 +28,8 @@ bench: setup  ## speed ratios measured side by side; writes results/bench.md
 lint: setup  ## ruff
 	$(VENV)/bin/ruff check distlion tests scripts benchmarks
 
-experiment: setup  ## run one spec of experiments/: make experiment NAME=demo
-	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml
+experiment: setup  ## run one spec of experiments/: make experiment NAME=demo [JOBS=2]
+	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --jobs $(or $(JOBS),1)
 
 report: setup  ## rebuild a spec's tables and plots from finished runs: make report NAME=demo
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --report-only

@@ -31,13 +31,14 @@ def load_spec(name_or_path: str) -> tuple[Path, dict]:
     return path, OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
-def sweep_commands(spec: dict, extra: list[str]) -> list[list[str]]:
-    """One Hydra multirun command per sweep of the spec."""
+def sweep_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[str]]:
+    """One Hydra multirun command per sweep of the spec, writing its runs under `runs_dir`."""
     seeds = ",".join(str(s) for s in spec.get("seeds", [0]))
     commands = []
     for sweep in spec["sweeps"]:
         commands.append([sys.executable, "-m", "distlion.train", "-m", f"experiment={spec['name']}",
-                         *spec.get("base", []), *shlex.split(sweep), f"seed={seeds}", *extra])
+                         *spec.get("base", []), *shlex.split(sweep), f"seed={seeds}", *extra,
+                         f"hydra.sweep.dir={runs_dir}"])
     return commands
 
 
@@ -46,18 +47,23 @@ def main() -> None:
     parser.add_argument("spec", help="a spec name in experiments/ or a path to one")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. logger=none)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report from finished runs")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="grid points run at once (Hydra's joblib launcher); each run uses train.threads")
+    parser.add_argument("--out", type=Path, default=REPO,
+                        help="base folder of runs/<name>/ and results/<name>/ (default: the repository)")
     args = parser.parse_args()
     path, spec = load_spec(args.spec)
+    runs_dir, results_dir = args.out.resolve() / "runs" / spec["name"], args.out.resolve() / "results" / spec["name"]
     if not args.report_only:
-        for command in sweep_commands(spec, args.overrides):
+        launcher = [] if args.jobs <= 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
+        for command in sweep_commands(spec, args.overrides + launcher, runs_dir):
             print("+", shlex.join(command[1:]), flush=True)
             subprocess.run(command, cwd=REPO, check=True)
     shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
                         *args.overrides])
     report = spec.get("report", {})
-    runs = write_report(REPO / "runs" / spec["name"], REPO / "results" / spec["name"], shown,
-                        columns=report.get("columns"), notes=spec.get("description"))
-    print(f"{len(runs)} runs reported in results/{spec['name']}/results.md")
+    runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"), notes=spec.get("description"))
+    print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")
 
 
 if __name__ == "__main__":
