@@ -60,7 +60,7 @@ def main() -> None:
             print("+", shlex.join(command[1:]), flush=True)
             subprocess.run(command, cwd=REPO, check=True)
     shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
-                        *args.overrides])
+                        *args.overrides, *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])
     report = spec.get("report", {})
     runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"), notes=spec.get("description"))
     print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")

@@ -82,18 +82,26 @@ def _fmt_metric(metric: str, values: list[float]) -> str:
 def markdown_table(runs: list[dict[str, Any]]) -> str:
     metric = runs[0]["metric"]
     name = "test accuracy (%)" if metric == "eval_accuracy" else metric.replace("eval_", "validation ")
+    perplexity = "eval_perplexity" in runs[0]  # language models: loss and exp(loss)
     lines = [
-        f"| method | workers | per-worker batch | {name} | n "
-        "| bits/param/iter up | down | total | total bits communicated |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| method | workers | per-worker batch | {name} |{' perplexity |' if perplexity else ''} n "
+        "| bits/param/iter up | down | total | total bits communicated | steps | wall time (min) |",
+        "|---|---:|---:|---:|" + ("---:|" if perplexity else "") + "---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (label, workers, batch), members in group_runs(runs).items():
         r = members[0]
+        ppl = f" {_mean_std([m['eval_perplexity'] for m in members])} |" if perplexity else ""
         lines.append(
-            f"| {label} | {workers} | {batch} | {_fmt_metric(metric, [m[metric] for m in members])} | {len(members)} "
+            f"| {label} | {workers} | {batch} | {_fmt_metric(metric, [m[metric] for m in members])} |{ppl} "
+            f"{len(members)} "
             f"| {r['bits_up_per_param_per_iter']:.3f} | {r['bits_down_per_param_per_iter']:.3f} "
-            f"| {r['bits_per_param_per_iter']:.3f} | {statistics.mean(m['total_bits'] for m in members):.3e} |"
+            f"| {r['bits_per_param_per_iter']:.3f} | {statistics.mean(m['total_bits'] for m in members):.3e} "
+            f"| {r['steps']} | {statistics.mean(m['wall_time'] for m in members) / 60:.1f} |"
         )
+    reference = runs[0].get("unigram_entropy")
+    if reference is not None:
+        lines.append(f"\nReference: the unigram entropy of the tokenizer's training data, {reference:.3f} nats/token "
+                     "(the validation loss of the best model that ignores context).")
     return "\n".join(lines) + "\n"
 
 
@@ -139,6 +147,8 @@ _CSV_FIELDS = [
     "epochs",
     "eval_accuracy",
     "eval_loss",
+    "eval_perplexity",
+    "unigram_entropy",
     "bits_up_per_param_per_iter",
     "bits_down_per_param_per_iter",
     "bits_per_param_per_iter",
@@ -165,6 +175,38 @@ def _colors(labels: list[str]) -> dict[str, Any]:
     return {label: cmap(i % 10) for i, label in enumerate(sorted(set(labels), key=_sort_key))}
 
 
+def _reference_line(ax: Any, runs: list[dict[str, Any]]) -> None:
+    """The unigram-entropy line of language-model runs: the loss that ignores context."""
+    if runs[0]["metric"] == "eval_loss" and runs[0].get("unigram_entropy") is not None:
+        ax.axhline(runs[0]["unigram_entropy"], color="gray", ls="--", lw=1, label="unigram entropy")
+
+
+def _metric_name(metric: str) -> str:
+    return {"eval_accuracy": "test accuracy", "eval_loss": "validation loss (nats/token)"}.get(metric, metric)
+
+
+def plot_metric_curves(runs: list[dict[str, Any]], path: Path) -> None:
+    """The evaluated metric against training steps, one line per (method, workers), first seed."""
+    metric = runs[0]["metric"]
+    colors = _colors([r["label"] for r in runs])
+    worker_counts = sorted({r["workers"] for r in runs})
+    styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, workers, _), members in group_runs(runs).items():
+        points = [(p["step"], p[metric]) for p in members[0]["curve"] if metric in p]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, styles[workers], color=colors[label], marker=".", label=f"{label}, N={workers}")
+    _reference_line(ax, runs)
+    ax.set_xlabel("step")
+    ax.set_ylabel(_metric_name(metric))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_metric_vs_bits(runs: list[dict[str, Any]], path: Path) -> None:
     """Test metric against cumulative bits per parameter (uplink + downlink, per worker), log x."""
     metric = runs[0]["metric"]
@@ -177,9 +219,10 @@ def plot_metric_vs_bits(runs: list[dict[str, Any]], path: Path) -> None:
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, styles[workers], color=colors[label], marker=".", label=f"{label}, N={workers}")
+    _reference_line(ax, runs)
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bits per parameter communicated per worker (up + down)")
-    ax.set_ylabel("test accuracy" if metric == "eval_accuracy" else metric)
+    ax.set_ylabel(_metric_name(metric))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -201,7 +244,7 @@ def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
         ax.errorbar(xs, ys, yerr=es, color=colors[label], marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers")
-    ax.set_ylabel("test accuracy" if metric == "eval_accuracy" else metric)
+    ax.set_ylabel(_metric_name(metric))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -250,8 +293,9 @@ def write_report(
     parts.append(markdown_table(runs))
     parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
+    plot_metric_curves(runs, out / "metric_curves.png")
     plot_loss_curves(runs, out / "loss_curves.png")
-    plots = ["metric_vs_bits.png", "loss_curves.png"]
+    plots = ["metric_vs_bits.png", "metric_curves.png", "loss_curves.png"]
     if len({r["workers"] for r in runs}) > 1:
         plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
         plots.insert(1, "metric_vs_workers.png")

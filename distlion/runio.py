@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,27 @@ def config_hash(cfg: DictConfig) -> str:
             node = node.get(key, {})
         node.pop(leaf, None)
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def exclusive_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir`'s lock (one per torchrun rank) so that two processes never write one run.
+
+    An flock is released by the kernel when its process dies, so a killed run never leaves it behind.
+    """
+    with (run_dir / f".lock{os.environ.get('RANK', '')}").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirBusy(
+                f"{run_dir} is being written by another process (a second copy of this run or sweep?); "
+                "wait for it to finish or stop it, then rerun"
+            ) from None
+        yield
+
+
+class RunDirBusy(ValueError):
+    """Another live process holds the run directory."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:

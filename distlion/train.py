@@ -31,6 +31,7 @@ from distlion.runio import (
     atomic_torch_save,
     atomic_write_text,
     config_hash,
+    exclusive_run_dir,
     git_version,
     read_summary,
     resolved_config,
@@ -78,9 +79,15 @@ def worker_batches(task, sampler: ShardedSampler, workers: list[int], step: int,
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train one configuration into `run_dir`; returns the summary. Resumes from a checkpoint and
-    skips a finished run of the same config; refuses a directory holding another config's results."""
+    skips a finished run of the same config; refuses a directory holding another config's results
+    or one that another live process is writing."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_run_dir(run_dir):
+        return _run(cfg, run_dir)
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     digest = config_hash(cfg)
     finished = read_summary(run_dir)
     if finished is not None:

@@ -87,3 +87,31 @@ def test_cli_prints_one_error_line(tmp_path):
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("distlion: error:")]
     assert errors == ["distlion: error: method.lr=-1 must be > 0; set method.lr to a positive learning rate"]
+
+
+def test_num_evals_sets_how_often_the_held_out_split_is_evaluated(make_cfg, tmp_path):
+    run(make_cfg("train.steps=20", "train.num_evals=4", "train.log_every=100"), tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "eval_accuracy" in m] == [5, 10, 15, 20]
+
+
+def test_a_run_directory_held_by_another_process_is_refused(make_cfg, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / ".lock")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"locked\n"
+        with pytest.raises(ValueError, match="being written by another process"):
+            run(make_cfg("train.steps=3"), tmp_path)
+        assert not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(make_cfg("train.steps=3"), tmp_path)["steps"] == 3  # the kernel dropped the dead holder's lock
+
+
+HOLD_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""
