@@ -230,6 +230,29 @@ def plot_metric_vs_bits(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_metric_vs_bits_per_iter(runs: list[dict[str, Any]], path: Path) -> None:
+    """The paper's figure: final metric against bits per parameter per iteration (up + down), log x."""
+    metric = runs[0]["metric"]
+    colors = _colors([r["label"] for r in runs])
+    worker_counts = sorted({r["workers"] for r in runs})
+    markers = dict(zip(worker_counts, "os^Dv<>p" * 2))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, workers, _), members in group_runs(runs).items():
+        values = [m[metric] for m in members]
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        ax.errorbar(members[0]["bits_per_param_per_iter"], statistics.mean(values), yerr=spread, ls="none",
+                    marker=markers[workers], color=colors[label], capsize=3, label=f"{label}, N={workers}")
+    _reference_line(ax, runs)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bits per parameter per iteration (worker -> server + server -> worker)")
+    ax.set_ylabel(_metric_name(metric))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
     metric = runs[0]["metric"]
     by_label: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
@@ -293,9 +316,10 @@ def write_report(
     parts.append(markdown_table(runs))
     parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
+    plot_metric_vs_bits_per_iter(runs, out / "metric_vs_bits_per_iter.png")
     plot_metric_curves(runs, out / "metric_curves.png")
     plot_loss_curves(runs, out / "loss_curves.png")
-    plots = ["metric_vs_bits.png", "metric_curves.png", "loss_curves.png"]
+    plots = ["metric_vs_bits.png", "metric_vs_bits_per_iter.png", "metric_curves.png", "loss_curves.png"]
     if len({r["workers"] for r in runs}) > 1:
         plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
         plots.insert(1, "metric_vs_workers.png")

@@ -89,6 +89,8 @@ def test_report_tables_and_csv_carry_the_runs_numbers(sweeps):
     assert "| 32.000 | 32.000 | 64.000 |" in adamw
 
     page = (results / "index.html").read_text()
-    for plot in ("metric_vs_bits.png", "metric_curves.png", "loss_curves.png", "metric_vs_workers.png"):
+    plots = ("metric_vs_bits.png", "metric_vs_bits_per_iter.png", "metric_curves.png", "loss_curves.png",
+             "metric_vs_workers.png")
+    for plot in plots:
         assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert plot in page
