@@ -236,7 +236,7 @@ def plot_metric_vs_bits_per_iter(runs: list[dict[str, Any]], path: Path) -> None
     colors = _colors([r["label"] for r in runs])
     worker_counts = sorted({r["workers"] for r in runs})
     markers = dict(zip(worker_counts, "os^Dv<>p" * 2))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for (label, workers, _), members in group_runs(runs).items():
         values = [m[metric] for m in members]
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -247,7 +247,7 @@ def plot_metric_vs_bits_per_iter(runs: list[dict[str, Any]], path: Path) -> None
     ax.set_xlabel("bits per parameter per iteration (worker -> server + server -> worker)")
     ax.set_ylabel(_metric_name(metric))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: points fill the axes
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
