@@ -12,6 +12,7 @@ import argparse
 import csv
 import html
 import json
+import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -163,11 +164,12 @@ _CSV_FIELDS = [
 
 
 def write_csv(runs: list[dict[str, Any]], path: Path) -> None:
+    """One row per run; run_dir relative to the CSV's folder, so a committed CSV names no machine's paths."""
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in sorted(runs, key=lambda r: (_sort_key(r["label"]), r["workers"], r["seed"])):
-            writer.writerow(r)
+            writer.writerow({**r, "run_dir": os.path.relpath(r["run_dir"], path.parent)})
 
 
 def _colors(labels: list[str]) -> dict[str, Any]:
