@@ -187,49 +187,52 @@ def _metric_name(metric: str) -> str:
     return {"eval_accuracy": "test accuracy", "eval_loss": "validation loss (nats/token)"}.get(metric, metric)
 
 
-def plot_metric_curves(runs: list[dict[str, Any]], path: Path) -> None:
-    """The evaluated metric against training steps, one line per (method, workers), first seed."""
-    metric = runs[0]["metric"]
+def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, **legend: Any) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, **legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_curves(runs: list[dict[str, Any]], path: Path, x: str, y: str, xlabel: str, ylabel: str,
+                 log_x: bool = False, reference: bool = False, **line: Any) -> None:
+    """One line per (method, workers) through the first seed's logged (x, y) points."""
     colors = _colors([r["label"] for r in runs])
     worker_counts = sorted({r["workers"] for r in runs})
     styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (label, workers, _), members in group_runs(runs).items():
-        points = [(p["step"], p[metric]) for p in members[0]["curve"] if metric in p]
+        points = [(p[x], p[y]) for p in members[0]["curve"] if y in p]
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, styles[workers], color=colors[label], marker=".", label=f"{label}, N={workers}")
-    _reference_line(ax, runs)
-    ax.set_xlabel("step")
-    ax.set_ylabel(_metric_name(metric))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            ax.plot(xs, ys, styles[workers], color=colors[label], label=f"{label}, N={workers}", **line)
+    if reference:
+        _reference_line(ax, runs)
+    if log_x:
+        ax.set_xscale("log")
+    _save(fig, ax, path, xlabel, ylabel, ncol=2)
+
+
+def plot_metric_curves(runs: list[dict[str, Any]], path: Path) -> None:
+    """The evaluated metric against training steps, one line per (method, workers), first seed."""
+    metric = runs[0]["metric"]
+    _plot_curves(runs, path, "step", metric, "step", _metric_name(metric), reference=True, marker=".")
 
 
 def plot_metric_vs_bits(runs: list[dict[str, Any]], path: Path) -> None:
     """Test metric against cumulative bits per parameter (uplink + downlink, per worker), log x."""
     metric = runs[0]["metric"]
-    colors = _colors([r["label"] for r in runs])
-    worker_counts = sorted({r["workers"] for r in runs})
-    styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, workers, _), members in group_runs(runs).items():
-        points = [(p["cum_bits_per_param"], p[metric]) for p in members[0]["curve"] if metric in p]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, styles[workers], color=colors[label], marker=".", label=f"{label}, N={workers}")
-    _reference_line(ax, runs)
-    ax.set_xscale("log")
-    ax.set_xlabel("cumulative bits per parameter communicated per worker (up + down)")
-    ax.set_ylabel(_metric_name(metric))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _plot_curves(runs, path, "cum_bits_per_param", metric,
+                 "cumulative bits per parameter communicated per worker (up + down)", _metric_name(metric),
+                 log_x=True, reference=True, marker=".")
+
+
+def plot_loss_curves(runs: list[dict[str, Any]], path: Path) -> None:
+    """Train loss against epochs, one line per (method, workers), first seed."""
+    _plot_curves(runs, path, "epoch", "train_loss", "epoch", "train loss", lw=1)
 
 
 def plot_metric_vs_bits_per_iter(runs: list[dict[str, Any]], path: Path) -> None:
@@ -246,13 +249,9 @@ def plot_metric_vs_bits_per_iter(runs: list[dict[str, Any]], path: Path) -> None
                     marker=markers[workers], color=colors[label], capsize=3, label=f"{label}, N={workers}")
     _reference_line(ax, runs)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("bits per parameter per iteration (worker -> server + server -> worker)")
-    ax.set_ylabel(_metric_name(metric))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: points fill the axes
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    # The legend goes outside: the points fill the axes.
+    _save(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
+          _metric_name(metric), loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
@@ -268,33 +267,7 @@ def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
         xs, ys, es = zip(*sorted(points))
         ax.errorbar(xs, ys, yerr=es, color=colors[label], marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("workers")
-    ax.set_ylabel(_metric_name(metric))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_loss_curves(runs: list[dict[str, Any]], path: Path) -> None:
-    """Train loss against epochs, one line per (method, workers), first seed."""
-    colors = _colors([r["label"] for r in runs])
-    worker_counts = sorted({r["workers"] for r in runs})
-    styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, workers, _), members in group_runs(runs).items():
-        points = [(p["epoch"], p["train_loss"]) for p in members[0]["curve"] if "train_loss" in p]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, styles[workers], color=colors[label], label=f"{label}, N={workers}", lw=1)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("train loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path, "workers", _metric_name(metric))
 
 
 def write_report(

@@ -106,7 +106,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     method.check_run(steps / sampler.steps_per_epoch)
     schedule = LRSchedule(method.lr, steps, **cfg.schedule)
     compute_grads = worker_grads(cfg.cluster.grad_strategy)
-    eval_every = cfg.train.eval_every or max(1, steps // cfg.train.get("num_evals", 10))
+    eval_every = cfg.train.eval_every or max(1, steps // cfg.train.num_evals)
     num_params = flat.numel
     workers = cfg.cluster.workers
 
