@@ -9,15 +9,16 @@ so the ratios compare the work each method does rather than thread scheduling.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
 import torch
 
+from distlion.comm.exchange import InProcessExchange
 from distlion.flat import Segment
 from distlion.methods import build_method
 from distlion.methods.base import Method, StepContext
+from distlion.methods.step import BufferWorkers, algorithm1_step
 
 NUM_WORKERS = 8
 REPEATS = 3
@@ -35,13 +36,9 @@ METHODS = {
 
 
 def step(method: Method, grads: torch.Tensor, states: list[dict], ctx: StepContext) -> None:
-    if hasattr(method, "prepare"):
-        method.prepare(grads, ctx)
-    messages = [
-        method.worker_rule(g, s, dataclasses.replace(ctx, worker=i))
-        for i, (g, s) in enumerate(zip(grads, states, strict=True))
-    ]
-    method.apply_rule(method.server_rule(messages, ctx), ctx)
+    """One step of the runner's loop, all workers in this process."""
+    local = BufferWorkers([method] * NUM_WORKERS, states)
+    algorithm1_step({grads.dtype: local}, {grads.dtype: grads}, ctx, InProcessExchange(NUM_WORKERS))
 
 
 def run() -> list[dict]:

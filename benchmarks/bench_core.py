@@ -8,7 +8,9 @@ import time
 import torch
 from timm.optim import Lion
 
+from distlion.comm.exchange import InProcessExchange
 from distlion.methods import StepContext, build_method
+from distlion.methods.step import BufferWorkers, algorithm1_step
 
 NUMEL = 10_000_000
 WORKERS = 8
@@ -39,9 +41,10 @@ def _run(repeats: int) -> list[dict]:
     states = [method.init_worker_state() for _ in range(WORKERS)]
     ctx = StepContext(step=0, lr=1e-4, num_workers=WORKERS)
 
+    local, exchange = {grads.dtype: BufferWorkers([method] * WORKERS, states)}, InProcessExchange(WORKERS)
+
     def dlion_step():
-        messages = [method.worker_rule(grads[i], states[i], ctx) for i in range(WORKERS)]
-        method.apply_rule(method.server_rule(messages, ctx), ctx)
+        algorithm1_step(local, {grads.dtype: grads}, ctx, exchange)
 
     # Eight independent Lion optimizers, one per worker, as eight separate jobs would run them.
     params = [torch.nn.Parameter(torch.randn(NUMEL)) for _ in range(WORKERS)]

@@ -1,9 +1,9 @@
 """Run an experiment spec: `distlion-experiment experiments/demo.yaml` (or `make experiment NAME=demo`).
 
-A spec (see `experiments/`) names its grid as Hydra multirun sweeps, the seeds and the scale. Each
-sweep runs as one `python -m distlion.train -m ...` into `runs/<name>/`, where every grid point has
-a fixed directory; rerunning the same command skips finished runs and resumes killed ones. Then the
-report (table, CSV, plots) is written into `results/<name>/` with the command that made it.
+A spec (see `experiments/`) names its grid as Hydra multirun sweeps and the seeds. Each sweep runs as
+one `python -m distlion.train -m ...` into `runs/<name>/`, where every grid point has a fixed directory;
+rerunning the same command skips finished runs and resumes killed ones. Then the report (tables, CSVs,
+plots) is written into `results/<name>/` with the command that made it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`DistributedLion`: Distributed Lion as a drop-in `torch.optim.Optimizer` for your own torchrun script.
 
 It replaces DDP's gradient all-reduce: do not wrap the model in DDP (or give DDP a no-op comm hook).
-Each rank backpropagates its own batch; `step()` runs Algorithm 1 with the math of
-`distlion.methods.dlion.DLion` and the sharded exchange of `distlion.cluster.torchdist`:
+Each rank backpropagates its own batch; `step()` runs the step loop of `distlion.methods.step` with
+the rules of `distlion.methods.dlion.DLion` and the sharded exchange of `distlion.comm.exchange`:
 
     delta_i = sign(b1 m_i + (1 - b1) g_i)      packed 8 per byte, on the gradients' device
     all-to-all: rank j receives every rank's packed signs of the j-th 1/N shard
@@ -22,10 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlion.cluster.torchdist import sharded_exchange
 from distlion.comm.collectives import Collectives, WireBytes
+from distlion.comm.exchange import CollectiveExchange
 from distlion.methods.base import StepContext
 from distlion.methods.dlion import DLion
+from distlion.methods.step import BufferWorkers, algorithm1_step
 
 
 class DistributedLion(torch.optim.Optimizer):
@@ -119,13 +120,12 @@ class DistributedLion(torch.optim.Optimizer):
         x = torch.cat([p.detach().reshape(-1) for p in params])
         grad = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params])
         rule = self._rule
-        rule.beta1, rule.beta2 = (float(b) for b in group["betas"])
+        rule.betas = tuple(float(b) for b in group["betas"])
         rule.weight_decay = float(group["weight_decay"])
         rule.bind(x, comm.world_size)
-        ctx = StepContext(step=step, lr=float(group["lr"]), num_workers=comm.world_size, worker=comm.rank)
-        up = rule.worker_rule(grad, {"momentum": momentum}, ctx)
-        down, _ = sharded_exchange(rule.server_rule, up, ctx, comm)
-        rule.apply_rule(down, ctx)
+        ctx = StepContext(step=step, lr=float(group["lr"]), num_workers=comm.world_size)
+        local = BufferWorkers([rule], [{"momentum": momentum}])
+        algorithm1_step({x.dtype: local}, {x.dtype: grad[None]}, ctx, CollectiveExchange(comm))
         for p, new in zip(params, x.split([p.numel() for p in params]), strict=True):
             p.copy_(new.view_as(p))
         rule.params = None  # no reference to the step's temporary buffer

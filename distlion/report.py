@@ -1,9 +1,12 @@
 """Tables and plots from finished runs: `distlion-report runs/demo --out results/demo`.
 
-Reads every `summary.json` (and its `metrics.jsonl`) under a sweep directory, groups runs that
-differ only by seed (mean ± std over seeds, with n), and writes a Markdown table, a CSV of every
-run, and PNG plots: test metric against cumulative communicated bits per parameter, and against
-the number of workers.
+Reads every `summary.json` (and its `metrics.jsonl`) under a sweep directory. Runs that differ only by
+seed form a group (mean ± std over seeds, with n); groups differ in the settings that vary across the
+runs (method, workers, per-worker batch, lr, method settings, ...), and tables, legends and line styles
+name every one of them. The numbers are the task's declared metrics (`Task.metrics`), headline first.
+Writes a Markdown table, CSVs of every run and every evaluation, PNG plots (the headline metric against
+cumulative communicated bits per parameter, training steps and the number of workers; the train loss)
+and a static HTML page.
 """
 
 from __future__ import annotations
@@ -15,119 +18,187 @@ import json
 import os
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+from omegaconf import OmegaConf
+
+from distlion.methods import label_order, method_label
+from distlion.tasks import Metric, task_metrics, task_name
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 
-_LABELS = {"adamw": "G-AdamW", "lion": "G-Lion", "terngrad": "TernGrad", "dgc": "DGC", "graddrop": "GradDrop"}
-_ORDER = ["G-AdamW", "G-Lion", "TernGrad", "GradDrop", "DGC", "D-Lion (Avg)", "D-Lion (MaVo)"]
+# Summary keys that are settings of a run, in the order tables and legends name them; every "method.<k>"
+# comes after lr. The other keys are outcomes (metrics, bits, time) or bookkeeping (seed, hashes).
+SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "global_batch", "steps", "epochs", "num_params")
+# The method always, workers and per-worker batch whenever they vary (the table's fixed columns). Any other
+# setting is named only when it varies and the ones before it do not fix its value: tuned lr and weight
+# decay follow from the method, steps at a fixed epoch count from the workers.
+ALWAYS_NAMED = ("label", "workers", "per_worker_batch")
+_SHOWN = {"workers": "N={}", "per_worker_batch": "batch {}/worker", "lr": "lr={:g}", "global_batch": "global batch {}",
+          "steps": "{} steps", "epochs": "{:g} epochs", "num_params": "{:,} params"}
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = "osD^v<>pPX*h"
+
+Run = dict[str, Any]
 
 
-def method_label(summary: dict[str, Any]) -> str:
-    """The paper's name for a run's method."""
-    if summary["method"] == "dlion":
-        return "D-Lion (MaVo)" if summary.get("method.aggregation") == "mavo" else "D-Lion (Avg)"
-    return _LABELS.get(summary["method"], summary["method"])
-
-
-def load_runs(root: Path) -> list[dict[str, Any]]:
-    """Every finished run under `root`, with its metrics curve under the key "curve"."""
+def load_runs(root: Path) -> list[Run]:
+    """Every finished run under `root`, with its evaluations and logged steps under "curve", its method's
+    label, its task's readable name and its declared metrics (from the summary, or by the task's class)."""
     runs = []
     for path in sorted(root.rglob("summary.json")):
-        summary = json.loads(path.read_text())
+        run = json.loads(path.read_text())
         metrics = path.parent / "metrics.jsonl"
-        summary["curve"] = (
-            [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
-        )
-        summary["run_dir"] = str(path.parent)
-        summary["label"] = method_label(summary)
-        runs.append(summary)
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        run["curve"] = [json.loads(line) for line in lines if line]
+        run["run_dir"] = str(path.parent)
+        hparams = {k.removeprefix("method."): v for k, v in run.items() if k.startswith("method.")}
+        run["label"] = method_label(run["method"], hparams)
+        run["metrics"] = tuple(Metric(**m) for m in run["metrics"]) if "metrics" in run else task_metrics(run["task"])
+        run["task"] = task_name(run["task"])
+        config = path.parent / "config.yaml"
+        run["data"] = OmegaConf.load(config).get("task", {}).get("data") if config.exists() else None
+        runs.append(run)
     if not runs:
         raise FileNotFoundError(f"no finished run (summary.json) under {root}; run the sweep first")
     return runs
 
 
-def _sort_key(label: str) -> tuple[int, str]:
-    return (_ORDER.index(label) if label in _ORDER else len(_ORDER), label)
+def report_metrics(runs: list[Run]) -> tuple[Metric, ...]:
+    """The metrics the runs' task declares, headline first. Runs of tasks with other metrics cannot share
+    the table's columns; runs of tasks with the same ones are told apart by their task as by any setting."""
+    if len({tuple(m.key for m in r["metrics"]) for r in runs}) > 1:
+        tasks = ", ".join(sorted({r["task"] for r in runs}))
+        raise ValueError(f"the runs' tasks ({tasks}) declare different metrics; report them one task at a time")
+    return runs[0]["metrics"]
 
 
-def group_runs(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    """Runs grouped by (method label, workers, per-worker batch); seeds are the members."""
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+def _value(run: Run, key: str) -> Any:
+    value = run.get(key)
+    return tuple(value) if isinstance(value, list) else value  # hashable: betas are lists in JSON
+
+
+def _determined(runs: list[Run], keys: list[str], key: str) -> bool:
+    """Whether the values of `keys` fix the value of `key` in every run."""
+    seen: dict[tuple, Any] = {}
+    return all(seen.setdefault(tuple(_value(r, k) for k in keys), _value(r, key)) == _value(r, key) for r in runs)
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    """The settings that tell groups of runs apart: "label" first, then each one that varies (see ALWAYS_NAMED).
+    Grouping by these is grouping by every varying setting: a key left out is fixed by the keys before it."""
+    method_keys = sorted({k for r in runs for k in r if k.startswith("method.")})
+    candidates = [*SETTINGS[:4], *method_keys, *SETTINGS[4:]]  # method settings after lr
+    keys = ["label"]
+    for key in candidates[1:]:
+        if len({_value(r, key) for r in runs}) > 1 and (key in ALWAYS_NAMED or not _determined(runs, keys, key)):
+            keys.append(key)
+    return keys
+
+
+def _sortable(value: Any) -> tuple:
+    if value is None:
+        return (2, "")
+    return (0, value) if isinstance(value, (int, float)) else (1, str(value))
+
+
+def _group_order(keys: list[str], values: tuple) -> tuple:
+    return tuple((label_order(v), v) if k == "label" else _sortable(v) for k, v in zip(keys, values))
+
+
+def group_runs(runs: list[Run], keys: list[str] | None = None) -> dict[tuple, list[Run]]:
+    """Runs grouped by the values of `keys` (default: `varying_keys`), in the registry's method order."""
+    keys = varying_keys(runs) if keys is None else keys
+    groups: dict[tuple, list[Run]] = defaultdict(list)
     for r in runs:
-        groups[(r["label"], r["workers"], r["per_worker_batch"])].append(r)
-    return dict(sorted(groups.items(), key=lambda kv: (_sort_key(kv[0][0]), kv[0][1], kv[0][2])))
+        groups[tuple(_value(r, k) for k in keys)].append(r)
+    return dict(sorted(groups.items(), key=lambda kv: _group_order(keys, kv[0])))
 
 
-def _mean_std(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+def _show(key: str, value: Any) -> str:
+    if key == "label":
+        return str(value)
+    return _SHOWN[key].format(value) if key in _SHOWN else f"{key.removeprefix('method.')}={value}"
 
 
-def _fmt_metric(metric: str, values: list[float]) -> str:
-    if metric == "eval_accuracy":
-        scaled = [100 * v for v in values]
-        return (
-            f"{scaled[0]:.2f}"
-            if len(scaled) == 1
-            else f"{statistics.mean(scaled):.2f} ± {statistics.stdev(scaled):.2f}"
-        )
-    return _mean_std(values)
+def legend_text(keys: list[str], values: tuple) -> str:
+    """A group's name: "G-Lion, N=2, batch 16/worker"."""
+    return ", ".join(_show(k, v) for k, v in zip(keys, values))
 
 
-def markdown_table(runs: list[dict[str, Any]]) -> str:
-    metric = runs[0]["metric"]
-    name = "test accuracy (%)" if metric == "eval_accuracy" else metric.replace("eval_", "validation ")
-    perplexity = "eval_perplexity" in runs[0]  # language models: loss and exp(loss)
-    lines = [
-        f"| method | workers | per-worker batch | {name} |{' perplexity |' if perplexity else ''} n "
-        "| bits/param/iter up | down | total | total bits communicated | steps | wall time (min) |",
-        "|---|---:|---:|---:|" + ("---:|" if perplexity else "") + "---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for (label, workers, batch), members in group_runs(runs).items():
+def _column(key: str, value: Any) -> str:
+    return f"{value:g}" if key == "lr" else str(list(value) if isinstance(value, tuple) else value)
+
+
+def _fmt(metric: Metric, values: list[float]) -> str:
+    """Mean ± sample std over seeds (the value alone for one seed), in the metric's display units."""
+    if not values:
+        return "—"
+    scaled = [metric.scale * v for v in values]
+    if len(scaled) == 1:
+        return f"{scaled[0]:.{metric.decimals}f}"
+    return f"{statistics.mean(scaled):.{metric.decimals}f} ± {statistics.stdev(scaled):.{metric.decimals}f}"
+
+
+def _values(members: Iterable[Run], key: str) -> list[float]:
+    return [m[key] for m in members if m.get(key) is not None]
+
+
+def references(runs: list[Run], drawn_on: str | None = None) -> list[tuple[Metric, float]]:
+    """(reference metric, value) of the runs, e.g. the unigram entropy; only those drawn on the metric
+    `drawn_on` if given."""
+    return [(m, v) for m in report_metrics(runs) if m.reference and drawn_on in (None, m.reference_for)
+            for v in sorted(set(_values(runs, m.key)))]
+
+
+def markdown_table(runs: list[Run]) -> str:
+    """One row per group: the settings, every declared score (mean ± std over seeds), n, bits, steps, time."""
+    scores = [m for m in report_metrics(runs) if not m.reference]
+    keys = varying_keys(runs)
+    extra = [k for k in keys if k not in ALWAYS_NAMED]
+    header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
+              *(m.display for m in scores), "n", "bits/param/iter up", "down", "total", "total bits communicated",
+              "steps", "wall time (min)"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for members in group_runs(runs, keys).values():
         r = members[0]
-        ppl = f" {_mean_std([m['eval_perplexity'] for m in members])} |" if perplexity else ""
-        lines.append(
-            f"| {label} | {workers} | {batch} | {_fmt_metric(metric, [m[metric] for m in members])} |{ppl} "
-            f"{len(members)} "
-            f"| {r['bits_up_per_param_per_iter']:.3f} | {r['bits_down_per_param_per_iter']:.3f} "
-            f"| {r['bits_per_param_per_iter']:.3f} | {statistics.mean(m['total_bits'] for m in members):.3e} "
-            f"| {r['steps']} | {statistics.mean(m['wall_time'] for m in members) / 60:.1f} |"
-        )
-    reference = runs[0].get("unigram_entropy")
-    if reference is not None:
-        lines.append(f"\nReference: the unigram entropy of the tokenizer's training data, {reference:.3f} nats/token "
-                     "(the validation loss of the best model that ignores context).")
+        cells = [r["label"], r["workers"], r["per_worker_batch"], *(_column(k, _value(r, k)) for k in extra),
+                 *(_fmt(m, _values(members, m.key)) for m in scores), len(members),
+                 f"{r['bits_up_per_param_per_iter']:.3f}", f"{r['bits_down_per_param_per_iter']:.3f}",
+                 f"{r['bits_per_param_per_iter']:.3f}", f"{statistics.mean(m['total_bits'] for m in members):.3e}",
+                 r["steps"], f"{statistics.mean(m['wall_time'] for m in members) / 60:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for m, value in references(runs):
+        note = f" {m.note}" if m.note else ""
+        lines.append(f"\nReference: the {m.display}, {value:.{m.decimals}f}{note}.")
     return "\n".join(lines) + "\n"
 
 
-def pivot_table(runs: list[dict[str, Any]], columns: str = "workers") -> str:
-    """The paper's layout: one row per method, one column per value of `columns` (mean ± std, n)."""
-    metric = runs[0]["metric"]
-    values = sorted({r[columns] for r in runs})
-    cells: dict[str, dict[Any, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in runs:
-        cells[r["label"]][r[columns]].append(r[metric])
-    lines = [f"| method | {' | '.join(f'{columns}={v}' for v in values)} |", "|---|" + "---:|" * len(values)]
-    for label in sorted(cells, key=_sort_key):
-        row = [
-            f"{_fmt_metric(metric, cells[label][v])} (n={len(cells[label][v])})" if cells[label][v] else "—"
-            for v in values
-        ]
-        lines.append(f"| {label} | {' | '.join(row)} |")
+def pivot_table(runs: list[Run], columns: str = "workers") -> str:
+    """The paper's layout: one row per group of the other settings, one column per value of `columns`
+    (the headline metric, mean ± std over seeds, n)."""
+    metric = report_metrics(runs)[0]
+    keys = [k for k in varying_keys(runs) if k != columns]
+    values = sorted({_value(r, columns) for r in runs}, key=_sortable)
+    lines = [f"{metric.display}, mean ± std over seeds (n):\n",
+             f"| method | {' | '.join(f'{columns}={v}' for v in values)} |", "|---|" + "---:|" * len(values)]
+    for row, members in group_runs(runs, keys).items():
+        cells = [[m for m in members if _value(m, columns) == v] for v in values]
+        shown = [f"{_fmt(metric, _values(c, metric.key))} (n={len(c)})" if c else "—" for c in cells]
+        lines.append(f"| {legend_text(keys, row)} | {' | '.join(shown)} |")
     return "\n".join(lines) + "\n"
 
 
-def hparams_table(runs: list[dict[str, Any]]) -> str:
+def hparams_table(runs: list[Run]) -> str:
     """The hyperparameters each method actually ran with, read from the runs' summaries."""
     lines = ["| method | lr | settings |", "|---|---:|---|"]
     seen = set()
-    for r in sorted(runs, key=lambda r: _sort_key(r["label"])):
+    for r in sorted(runs, key=lambda r: (label_order(r["label"]), r["label"])):
         settings = ", ".join(
             f"{k.removeprefix('method.')}={v}" for k, v in sorted(r.items()) if k.startswith("method.")
         )
@@ -138,142 +209,170 @@ def hparams_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_CSV_FIELDS = [
-    "label",
-    "method",
-    "workers",
-    "per_worker_batch",
-    "seed",
-    "steps",
-    "epochs",
-    "eval_accuracy",
-    "eval_loss",
-    "eval_perplexity",
-    "unigram_entropy",
-    "bits_up_per_param_per_iter",
-    "bits_down_per_param_per_iter",
-    "bits_per_param_per_iter",
-    "cum_bits_per_param",
-    "total_bits",
-    "num_params",
-    "wall_time",
-    "config_hash",
-    "git_sha",
-    "run_dir",
-]
+def _csv_settings(runs: list[Run]) -> list[str]:
+    keys = ["label", "method", "task", "workers", "per_worker_batch", "lr"]
+    return keys + [k for k in varying_keys(runs) if k not in keys]
 
 
-def write_csv(runs: list[dict[str, Any]], path: Path) -> None:
-    """One row per run; run_dir relative to the CSV's folder, so a committed CSV names no machine's paths."""
+def _run_order(runs: list[Run]) -> list[Run]:
+    keys = varying_keys(runs)
+    return sorted(runs, key=lambda r: (_group_order(keys, tuple(_value(r, k) for k in keys)), r["seed"]))
+
+
+def write_csv(runs: list[Run], path: Path) -> None:
+    """One row per run, every declared metric; run_dir relative to the CSV's folder, so a committed CSV
+    names no machine's paths."""
+    fields = [*_csv_settings(runs), "seed", "steps", "epochs", *(m.key for m in report_metrics(runs)),
+              "bits_up_per_param_per_iter", "bits_down_per_param_per_iter", "bits_per_param_per_iter",
+              "cum_bits_per_param", "total_bits", "num_params", "wall_time", "config_hash", "git_sha", "run_dir"]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(fields)), extrasaction="ignore")
         writer.writeheader()
-        for r in sorted(runs, key=lambda r: (_sort_key(r["label"]), r["workers"], r["seed"])):
+        for r in _run_order(runs):
             writer.writerow({**r, "run_dir": os.path.relpath(r["run_dir"], path.parent)})
 
 
-def _colors(labels: list[str]) -> dict[str, Any]:
+def write_evals_csv(runs: list[Run], path: Path) -> None:
+    """One row per evaluation of every run (the numbers behind metric_curves.png)."""
+    metrics = [m.key for m in report_metrics(runs)]
+    settings = _csv_settings(runs)
+    fields = [*settings, "seed", "step", "epoch", "cum_bits_per_param", *metrics, "wall_time"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for r in _run_order(runs):
+            for point in r["curve"]:
+                if metrics[0] in point:
+                    # The run's settings over the point's own keys: a point's "lr" is the scheduled one.
+                    writer.writerow({**point, **{k: r.get(k) for k in settings}, "seed": r["seed"]})
+
+
+def line_styles(keys: list[str], groups: Iterable[tuple]) -> dict[tuple, dict[str, Any]]:
+    """A look per group: colour by method, line style by the first other setting, marker by all other settings
+    together, so no two groups look alike (up to 10 methods and 12 combinations of the other settings)."""
+    groups = sorted(groups, key=lambda g: _group_order(keys, g))
+    labels = list(dict.fromkeys(g[0] for g in groups))
+    rests = sorted({g[1:] for g in groups}, key=lambda v: _group_order(keys[1:], v))
+    firsts = sorted({g[1:2] for g in groups}, key=lambda v: _group_order(keys[1:2], v))
     cmap = plt.get_cmap("tab10")
-    return {label: cmap(i % 10) for i, label in enumerate(sorted(set(labels), key=_sort_key))}
+    return {g: {"color": cmap(labels.index(g[0]) % 10), "ls": LINESTYLES[firsts.index(g[1:2]) % len(LINESTYLES)],
+                "marker": MARKERS[rests.index(g[1:]) % len(MARKERS)]} for g in groups}
 
 
-def _reference_line(ax: Any, runs: list[dict[str, Any]]) -> None:
-    """The unigram-entropy line of language-model runs: the loss that ignores context."""
-    if runs[0]["metric"] == "eval_loss" and runs[0].get("unigram_entropy") is not None:
-        ax.axhline(runs[0]["unigram_entropy"], color="gray", ls="--", lw=1, label="unigram entropy")
+def _draw_references(ax: Axes, runs: list[Run], metric: Metric) -> None:
+    """Reference values of `metric` (e.g. the unigram entropy on the validation loss) as gray lines."""
+    for ref, value in references(runs, metric.key):
+        ax.axhline(metric.scale * value, color="gray", ls="--", lw=1, label=f"{ref.display}: {value:.{ref.decimals}f}")
 
 
-def _metric_name(metric: str) -> str:
-    return {"eval_accuracy": "test accuracy", "eval_loss": "validation loss (nats/token)"}.get(metric, metric)
-
-
-def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, **legend: Any) -> None:
+def _save(fig: Any, ax: Axes, path: Path, xlabel: str, ylabel: str) -> Axes:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, **legend)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if ax.get_legend_handles_labels()[0]:  # runs without logged curves draw nothing
+        # Outside the axes, so the legend never covers data however many groups there are.
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+    return ax
 
 
-def _plot_curves(runs: list[dict[str, Any]], path: Path, x: str, y: str, xlabel: str, ylabel: str,
-                 log_x: bool = False, reference: bool = False, **line: Any) -> None:
-    """One line per (method, workers) through the first seed's logged (x, y) points."""
-    colors = _colors([r["label"] for r in runs])
-    worker_counts = sorted({r["workers"] for r in runs})
-    styles = dict(zip(worker_counts, ["-", "--", ":", "-."] * 4))
+def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlabel: str, ylabel: str,
+                 reference: Metric | None = None, log_x: bool = False) -> Axes:
+    """One line per group through its first seed's logged (x, y) points."""
+    keys = varying_keys(runs)
+    groups = group_runs(runs, keys)
+    styles = line_styles(keys, groups)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, workers, _), members in group_runs(runs).items():
-        points = [(p[x], p[y]) for p in members[0]["curve"] if y in p]
+    for values, members in groups.items():
+        points = [(p[x], scale * p[y]) for p in members[0]["curve"] if y in p]
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, styles[workers], color=colors[label], label=f"{label}, N={workers}", **line)
-    if reference:
-        _reference_line(ax, runs)
+            ax.plot(xs, ys, label=legend_text(keys, values), markevery=max(1, len(points) // 10), markersize=4,
+                    lw=1, **styles[values])
+    if reference is not None:
+        _draw_references(ax, runs, reference)
     if log_x:
         ax.set_xscale("log")
-    _save(fig, ax, path, xlabel, ylabel, ncol=2)
+    return _save(fig, ax, path, xlabel, ylabel)
 
 
-def plot_metric_curves(runs: list[dict[str, Any]], path: Path) -> None:
-    """The evaluated metric against training steps, one line per (method, workers), first seed."""
-    metric = runs[0]["metric"]
-    _plot_curves(runs, path, "step", metric, "step", _metric_name(metric), reference=True, marker=".")
+def plot_metric_curves(runs: list[Run], path: Path) -> Axes:
+    """The headline metric against training steps, one line per group, first seed."""
+    metric = report_metrics(runs)[0]
+    return _plot_curves(runs, path, "step", metric.key, metric.scale, "step", metric.display, reference=metric)
 
 
-def plot_metric_vs_bits(runs: list[dict[str, Any]], path: Path) -> None:
-    """Test metric against cumulative bits per parameter (uplink + downlink, per worker), log x."""
-    metric = runs[0]["metric"]
-    _plot_curves(runs, path, "cum_bits_per_param", metric,
-                 "cumulative bits per parameter communicated per worker (up + down)", _metric_name(metric),
-                 log_x=True, reference=True, marker=".")
+def plot_metric_vs_bits(runs: list[Run], path: Path) -> Axes:
+    """The headline metric against cumulative bits per parameter (uplink + downlink, per worker), log x."""
+    metric = report_metrics(runs)[0]
+    return _plot_curves(runs, path, "cum_bits_per_param", metric.key, metric.scale,
+                        "cumulative bits per parameter communicated per worker (up + down)", metric.display,
+                        reference=metric, log_x=True)
 
 
-def plot_loss_curves(runs: list[dict[str, Any]], path: Path) -> None:
-    """Train loss against epochs, one line per (method, workers), first seed."""
-    _plot_curves(runs, path, "epoch", "train_loss", "epoch", "train loss", lw=1)
+def plot_loss_curves(runs: list[Run], path: Path) -> Axes:
+    """Train loss against epochs, one line per group, first seed."""
+    return _plot_curves(runs, path, "epoch", "train_loss", 1.0, "epoch", "train loss")
 
 
-def plot_metric_vs_bits_per_iter(runs: list[dict[str, Any]], path: Path) -> None:
-    """The paper's figure: final metric against bits per parameter per iteration (up + down), log x."""
-    metric = runs[0]["metric"]
-    colors = _colors([r["label"] for r in runs])
-    worker_counts = sorted({r["workers"] for r in runs})
-    markers = dict(zip(worker_counts, "os^Dv<>p" * 2))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for (label, workers, _), members in group_runs(runs).items():
-        values = [m[metric] for m in members]
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        ax.errorbar(members[0]["bits_per_param_per_iter"], statistics.mean(values), yerr=spread, ls="none",
-                    marker=markers[workers], color=colors[label], capsize=3, label=f"{label}, N={workers}")
-    _reference_line(ax, runs)
+def _mean_spread(metric: Metric, members: list[Run]) -> tuple[float, float]:
+    values = [metric.scale * v for v in _values(members, metric.key)]
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def plot_metric_vs_bits_per_iter(runs: list[Run], path: Path) -> Axes:
+    """The paper's figure: final headline metric against bits per parameter per iteration (up + down), log x."""
+    metric = report_metrics(runs)[0]
+    keys = varying_keys(runs)
+    groups = group_runs(runs, keys)
+    styles = line_styles(keys, groups)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for values, members in groups.items():
+        mean, spread = _mean_spread(metric, members)
+        ax.errorbar(members[0]["bits_per_param_per_iter"], mean, yerr=spread, capsize=3,
+                    label=legend_text(keys, values), **{**styles[values], "ls": "none"})
+    _draw_references(ax, runs, metric)
     ax.set_xscale("log", base=2)
-    # The legend goes outside: the points fill the axes.
-    _save(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
-          _metric_name(metric), loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
+                 metric.display)
 
 
-def plot_metric_vs_workers(runs: list[dict[str, Any]], path: Path) -> None:
-    metric = runs[0]["metric"]
-    by_label: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
-    for (label, workers, _), members in group_runs(runs).items():
-        values = [m[metric] for m in members]
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        by_label[label].append((workers, statistics.mean(values), spread))
-    colors = _colors(list(by_label))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, points in by_label.items():
-        xs, ys, es = zip(*sorted(points))
-        ax.errorbar(xs, ys, yerr=es, color=colors[label], marker="o", capsize=3, label=label)
+def plot_metric_vs_workers(runs: list[Run], path: Path) -> Axes:
+    """The final headline metric against workers: one line per group of the other settings (mean ± std)."""
+    metric = report_metrics(runs)[0]
+    keys = [k for k in varying_keys(runs) if k != "workers"]
+    lines = group_runs(runs, keys)
+    styles = line_styles(keys, lines)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for values, members in lines.items():
+        points = [(workers, *_mean_spread(metric, seeds))
+                  for (workers,), seeds in group_runs(members, ["workers"]).items()]
+        xs, ys, es = zip(*points)
+        ax.errorbar(xs, ys, yerr=es, capsize=3, label=legend_text(keys, values), **styles[values])
     ax.set_xscale("log", base=2)
-    _save(fig, ax, path, "workers", _metric_name(metric))
+    return _save(fig, ax, path, "workers", metric.display)
+
+
+def _intro(runs: list[Run]) -> str:
+    """Which runs, of which task and data, and which split each metric comes from."""
+    task = ", ".join(sorted({r["task"] for r in runs}))
+    data = sorted({str(r["data"]) for r in runs if r["data"] not in (None, r["task"])})
+    if data:
+        task += f" (data: {', '.join(data)})"
+    by_split: dict[str, list[str]] = defaultdict(list)
+    for m in report_metrics(runs):
+        if not m.reference:
+            by_split[m.split].append(m.display)
+    splits = "; ".join(f"{' and '.join(names)} on the {split} split" for split, names in by_split.items())
+    return (f"{len(runs)} runs of task {task}, seeds {sorted({r['seed'] for r in runs})}. Metrics from an "
+            f"evaluation at the end of training: {splits}. Bits are counted from the messages each method built.\n")
 
 
 def write_report(
     root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None
-) -> list[dict[str, Any]]:
-    """Tables, CSV, plots and a static HTML page for the runs under `root`, written into `out`."""
+) -> list[Run]:
+    """Tables, CSVs, plots and a static HTML page for the runs under `root`, written into `out`."""
     runs = load_runs(root)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# Results: {out.name}\n"]
@@ -281,11 +380,7 @@ def write_report(
         parts.append(notes.strip() + "\n")
     if command:
         parts.append(f"Produced by:\n\n```\n{command}\n```\n")
-    seeds = sorted({r["seed"] for r in runs})
-    parts.append(
-        f"{len(runs)} runs, seeds {seeds}; the metric comes from a real evaluation on the held-out split "
-        "at the end of training; bits are counted from the messages each method built.\n"
-    )
+    parts.append(_intro(runs))
     if columns:
         parts.append(pivot_table(runs, columns))
     parts.append(markdown_table(runs))
@@ -299,9 +394,11 @@ def write_report(
         plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
         plots.insert(1, "metric_vs_workers.png")
     parts += [f"![{p[:-4]}]({p})\n" for p in plots]
+    parts.append("Every run: `runs.csv`; every evaluation of every run: `evals.csv`.\n")
     markdown = "\n".join(parts)
     (out / "results.md").write_text(markdown)
     write_csv(runs, out / "runs.csv")
+    write_evals_csv(runs, out / "evals.csv")
     write_html(markdown, plots, out / "index.html")
     return runs
 
@@ -320,8 +417,11 @@ def main() -> None:
     parser.add_argument("root", type=Path, help="sweep directory holding run directories")
     parser.add_argument("--out", type=Path, required=True, help="where to write results.md, runs.csv and plots")
     parser.add_argument("--command", default=None, help="the command that produced the runs, recorded in results.md")
+    parser.add_argument("--notes", default=None, help="a description written at the top of results.md")
+    parser.add_argument("--columns", default=None,
+                        help="a setting (e.g. workers) for a table with one column per value of it")
     args = parser.parse_args()
-    runs = write_report(args.root, args.out, args.command)
+    runs = write_report(args.root, args.out, args.command, columns=args.columns, notes=args.notes)
     print(markdown_table(runs))
 
 

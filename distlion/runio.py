@@ -1,4 +1,9 @@
-"""Run directories: resolved config, config hash, atomic writes, and never losing a finished run."""
+"""Run directories: resolved config, config hash, atomic writes, and never losing a finished run.
+
+`RunDir` owns everything a run keeps on disk: the lock that keeps a second process out, the decision
+to skip (same config finished) or refuse (another config's results), checkpoints and resuming from
+them, the metrics file (truncated to the checkpoint's step on resume) and the summary.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,14 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that change where or how a run is reported, not what it computes.
-_NOT_HASHED = ("logger", "experiment", "train.progress", "train.log_every", "train.checkpoint_every", "train.threads")
+_NOT_HASHED = ("logger", "experiment", "task.name", "train.progress", "train.log_every",
+               "train.checkpoint_every", "train.threads")
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -83,3 +89,76 @@ def git_version() -> dict[str, Any]:
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / "summary.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+class RunDirConflict(ValueError):
+    """The run directory holds results or a checkpoint of another config."""
+
+
+class RunDir:
+    """One run's directory for the config whose hash is `config_hash`.
+
+    Files: config.yaml, metrics.jsonl and summary.json (written by the main process only),
+    checkpoint<suffix>.pt (one per process: `suffix` is the backend's `shard_suffix`), .lock<RANK>.
+    """
+
+    def __init__(self, path: str | Path, config_hash: str):
+        self.path = Path(path)
+        self.config_hash = config_hash
+        self.metrics_path = self.path / "metrics.jsonl"
+
+    @contextmanager
+    def hold(self) -> Iterator[RunDir]:
+        """The directory, created and locked for the life of the run."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with exclusive_run_dir(self.path):
+            yield self
+
+    def finished(self) -> dict[str, Any] | None:
+        """The summary of a finished run of this config (to skip it), None if there is none; a finished run
+        of another config is refused."""
+        summary = read_summary(self.path)
+        if summary is not None and summary.get("config_hash") != self.config_hash:
+            raise RunDirConflict(
+                f"{self.path} holds a finished run of another config (hash {summary.get('config_hash')} != "
+                f"{self.config_hash}); choose another experiment= or hydra.run.dir, finished results are never "
+                "overwritten"
+            )
+        return summary
+
+    def checkpoint_path(self, suffix: str) -> Path:
+        return self.path / f"checkpoint{suffix}.pt"
+
+    def save_checkpoint(self, suffix: str, state: dict[str, Any]) -> None:
+        atomic_torch_save({"config_hash": self.config_hash, **state}, self.checkpoint_path(suffix))
+
+    def load_checkpoint(self, suffix: str) -> dict[str, Any] | None:
+        """The checkpoint this process wrote, if any; one of another config is refused."""
+        path = self.checkpoint_path(suffix)
+        if not path.exists():
+            return None
+        checkpoint = torch.load(path, weights_only=False)
+        if checkpoint["config_hash"] != self.config_hash:
+            raise RunDirConflict(
+                f"{path} was written by another config (hash {checkpoint['config_hash']} != {self.config_hash}); "
+                "rerun with the original settings, or delete the checkpoint to start over"
+            )
+        return checkpoint
+
+    def open_metrics(self, resumed_step: int) -> IO[str]:
+        """metrics.jsonl for appending, without the lines a run resumed at `resumed_step` will write again."""
+        if self.metrics_path.exists():
+            lines = [line for line in self.metrics_path.read_text().splitlines()
+                     if line and json.loads(line)["step"] <= resumed_step]
+            atomic_write_text(self.metrics_path, "".join(line + "\n" for line in lines))
+        return self.metrics_path.open("a")
+
+    def write_config(self, cfg: DictConfig) -> None:
+        atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2))
+
+    def remove_checkpoint(self, suffix: str) -> None:
+        """A finished run needs no checkpoint."""
+        self.checkpoint_path(suffix).unlink(missing_ok=True)

@@ -1,74 +1,72 @@
 """The runner: `python -m distlion.train method=dlion cluster.workers=8 task=digits seed=0`.
 
-One visible loop, in the order of the paper's Algorithm 1:
-batch -> per-worker gradients -> worker messages -> server message -> apply -> metrics.
+One visible loop (`train`): batch -> per-worker gradients -> the cluster's Algorithm 1 step
+(worker messages -> server message -> apply) -> metrics. The run directory (`distlion.runio.RunDir`)
+owns skipping, refusing, checkpoints and resuming; `distlion.config.validate` checks the settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from torch import nn
 from tqdm import tqdm
 
-from distlion.cluster import build_cluster
+from distlion.cluster import Cluster, build_cluster
+from distlion.cluster.base import BitsTally
 from distlion.cluster.grads import worker_grads
 from distlion.cluster.sampler import ShardedSampler
+from distlion.config import validate
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
-from distlion.methods import build_method
-from distlion.runio import (
-    atomic_torch_save,
-    atomic_write_text,
-    config_hash,
-    exclusive_run_dir,
-    git_version,
-    read_summary,
-    resolved_config,
-)
+from distlion.methods import Method, variant_of
+from distlion.runio import RunDir, config_hash, git_version, resolved_config
 from distlion.schedule import LRSchedule
 from distlion.seeding import derive_seed
+from distlion.tasks import Task, build_task
 
 
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names it and says what to change."""
+@dataclass
+class Run:
+    """Everything one training run is made of, built and validated before its first step."""
+
+    task: Task
+    model: nn.Module
+    flat: FlatParams
+    cluster: Cluster
+    sampler: ShardedSampler
+    method: Method
+    steps: int
 
 
-def build_run(cfg: DictConfig):
-    """Task, model, flat parameters, cluster and sampler, validated before any training."""
-    method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
-    method = build_method(method_cfg.pop("name"), **method_cfg)
-    task = hydra.utils.instantiate(cfg.task, model=cfg.model, _recursive_=False)
+def build_run(cfg: DictConfig, method: Method) -> Run:
+    """Task, model, flat parameters, cluster and sampler of a validated config and its built method."""
+    task = build_task(cfg.task, cfg.model)
     sampler = ShardedSampler(task.num_train, cfg.cluster.workers, cfg.cluster.per_worker_batch, cfg.seed)
+    steps = cfg.train.steps if cfg.train.steps is not None else math.ceil(cfg.train.epochs * sampler.steps_per_epoch)
+    method.check_run(steps / sampler.steps_per_epoch)
     torch.manual_seed(cfg.seed)
     model = task.build_model()
     model.train()
     flat = FlatParams(model)
     cluster = build_cluster(cfg.cluster, method, flat, cfg.seed)
-    return task, model, flat, cluster, sampler, method
+    return Run(task, model, flat, cluster, sampler, method, steps)
 
 
-def total_steps(cfg: DictConfig, sampler: ShardedSampler) -> int:
-    if cfg.train.steps is not None:
-        steps = int(cfg.train.steps)
-    else:
-        steps = math.ceil(cfg.train.epochs * sampler.steps_per_epoch)
-    if steps < 1:
-        raise ConfigError(f"the run has {steps} steps; set train.epochs or train.steps to a positive value")
-    return steps
-
-
-def worker_batches(task, sampler: ShardedSampler, workers: list[int], step: int, seed: int):
+def worker_batches(task: Task, sampler: ShardedSampler, workers: list[int], step: int, seed: int):
     """The rows of `workers` in step `step`, worker after worker. Each worker augments its batch with
     its own generator (seed, step, worker), so a rank under torch.distributed draws what the same
     worker draws in the simulated cluster."""
@@ -81,61 +79,47 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train one configuration into `run_dir`; returns the summary. Resumes from a checkpoint and
     skips a finished run of the same config; refuses a directory holding another config's results
     or one that another live process is writing."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_run_dir(run_dir):
-        return _run(cfg, run_dir)
-
-
-def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    digest = config_hash(cfg)
-    finished = read_summary(run_dir)
-    if finished is not None:
-        if finished.get("config_hash") == digest:
-            print(f"distlion: {run_dir} already holds this finished run; skipping it", file=sys.stderr)
+    method = validate(cfg)
+    with RunDir(run_dir, config_hash(cfg)).hold() as directory:
+        finished = directory.finished()
+        if finished is not None:
+            print(f"distlion: {directory.path} already holds this finished run; skipping it", file=sys.stderr)
             return finished
-        raise ConfigError(
-            f"{run_dir} holds a finished run of another config (hash {finished.get('config_hash')} != {digest}); "
-            "choose another experiment= or hydra.run.dir, finished results are never overwritten"
-        )
+        return train(cfg, method, directory)
 
+
+def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
+    """Algorithm 1, step after step: batch -> per-worker gradients -> cluster step -> metrics."""
     if cfg.train.get("threads"):
         torch.set_num_threads(cfg.train.threads)
-    task, model, flat, cluster, sampler, method = build_run(cfg)
-    steps = total_steps(cfg, sampler)
-    method.check_run(steps / sampler.steps_per_epoch)
+    r = build_run(cfg, method)
+    task, model, flat, cluster = r.task, r.model, r.flat, r.cluster
+    sampler, steps = r.sampler, r.steps
     schedule = LRSchedule(method.lr, steps, **cfg.schedule)
     compute_grads = worker_grads(cfg.cluster.grad_strategy)
     eval_every = cfg.train.eval_every or max(1, steps // cfg.train.num_evals)
-    num_params = flat.numel
-    workers = cfg.cluster.workers
+    workers, suffix = cfg.cluster.workers, cluster.backend.shard_suffix
 
-    config = resolved_config(cfg)
-    state = {"step": 0, "cum_bits_per_param": 0.0, "total_bits": 0, "bits_up": 0, "bits_down": 0}
-    # One process per worker (cluster=torchdist): each rank holds its own worker state and file.
-    shard = "" if len(cluster.local_workers) == workers else f".rank{cluster.local_workers[0]}"
-    checkpoint_path = run_dir / f"checkpoint{shard}.pt"
-    if checkpoint_path.exists():
-        state = _resume(checkpoint_path, digest, flat, cluster)
-        print(f"distlion: resuming {run_dir} from step {state['step']}", file=sys.stderr)
-    metrics_path = run_dir / "metrics.jsonl"
+    start_step, wall_time, bits = 0, 0.0, BitsTally(flat.numel)
+    checkpoint = directory.load_checkpoint(suffix)
+    if checkpoint is not None:
+        start_step, wall_time, bits = _restore(checkpoint, flat, cluster)
+        print(f"distlion: resuming {directory.path} from step {start_step}", file=sys.stderr)
     if cluster.is_main:  # only one process writes results and logs
-        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        _truncate_metrics(metrics_path, state["step"])
-
-    name = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else run_dir.name
-    tags = [f"method={method.name}", f"workers={workers}", f"batch={cfg.cluster.per_worker_batch}"]
-    if method.name == "dlion":
-        tags.append(f"aggregation={method.aggregation}")
-    logger = (build_logger(cfg.logger, config, str(run_dir), cfg.experiment, name or run_dir.name, tags)
+        directory.write_config(cfg)
+    variant = variant_of(method.name, method.hparams()).name
+    tags = [f"method={variant}", f"workers={workers}", f"batch={cfg.cluster.per_worker_batch}"]
+    name = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else ""
+    logger = (build_logger(cfg.logger, resolved_config(cfg), str(directory.path), cfg.experiment,
+                           name or directory.path.name, tags)
               if cluster.is_main else NullLogger())
-    start_time = time.time() - state.get("wall_time", 0.0)
+    start_time = time.time() - wall_time
     last_eval: dict[str, float] = {}
     try:
-        bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps,
+        bar = tqdm(range(start_step, steps), initial=start_step, total=steps,
                    disable=not (cfg.train.progress and cluster.is_main),
-                   desc=f"{method.name} N={workers}", dynamic_ncols=True, file=sys.stderr)
-        with metrics_path.open("a") if cluster.is_main else open(os.devnull, "w") as metrics_file:
+                   desc=f"{variant} N={workers}", dynamic_ncols=True, file=sys.stderr)
+        with directory.open_metrics(start_step) if cluster.is_main else open(os.devnull, "w") as metrics_file:
             for step in bar:
                 inputs, targets = worker_batches(task, sampler, cluster.local_workers, step, cfg.seed)
                 grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
@@ -146,31 +130,15 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         f"train loss is {loss} at step {step}; lower method.lr (now {method.lr}) or check the data"
                     )
                 lr = schedule(step)
-                bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step))
-                state["step"] = step + 1
-                state["bits_up"] += sum(bits.up) / workers
-                state["bits_down"] += bits.down
-                state["cum_bits_per_param"] += (sum(bits.up) / workers + bits.down) / num_params
-                state["total_bits"] += bits.total
-                record = {
-                    "step": step + 1,
-                    "epoch": sampler.epoch(step + 1),
-                    "lr": lr,
-                    "train_loss": loss,
-                    "bits_up_per_param": sum(bits.up) / workers / num_params,
-                    "bits_down_per_param": bits.down / num_params,
-                    "cum_bits_per_param": state["cum_bits_per_param"],
-                    "total_bits": state["total_bits"],
-                }
-                wire = getattr(bits, "wire", None)  # what this rank's collectives moved (cluster=torchdist)
-                if wire is not None:
-                    record["wire_bytes"] = wire.total
-                    state["wire_bytes"] = state.get("wire_bytes", 0) + wire.total
+                step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step))
+                record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
+                          **bits.add(step_bits)}
                 is_last = step + 1 == steps
-                if ((step + 1) % eval_every == 0 or is_last) and cluster.is_main:
+                evaluate = (step + 1) % eval_every == 0 or is_last
+                if evaluate and cluster.is_main:
                     last_eval = task.evaluate(model)
                     record.update(last_eval)
-                if (step + 1) % cfg.train.log_every == 0 or last_eval is record or "eval_loss" in record or is_last:
+                if evaluate or (step + 1) % cfg.train.log_every == 0:
                     record["wall_time"] = time.time() - start_time
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
@@ -178,8 +146,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()},
                                 bits=f"{record['cum_bits_per_param']:.3g}")
                 if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0 and not is_last:
-                    state["wall_time"] = time.time() - start_time
-                    _save_checkpoint(checkpoint_path, digest, state, flat, cluster)
+                    directory.save_checkpoint(suffix, _checkpoint(step + 1, time.time() - start_time, bits, flat,
+                                                                  cluster))
         summary = {
             "method": method.name,
             **{f"method.{k}": v for k, v in method.hparams().items() if k != "lr"},
@@ -187,27 +155,23 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "workers": workers,
             "per_worker_batch": cfg.cluster.per_worker_batch,
             "global_batch": workers * cfg.cluster.per_worker_batch,
-            "task": cfg.task._target_.rsplit(".", 1)[-1],
+            "task": cfg.task.get("name", type(task).__name__),
             "seed": cfg.seed,
             "steps": steps,
             "epochs": steps / sampler.steps_per_epoch,
-            "num_params": num_params,
+            "num_params": flat.numel,
             **last_eval,
             "metric": task.metric,
-            "bits_up_per_param_per_iter": state["bits_up"] / steps / num_params,
-            "bits_down_per_param_per_iter": state["bits_down"] / steps / num_params,
-            "bits_per_param_per_iter": state["cum_bits_per_param"] / steps,
-            "cum_bits_per_param": state["cum_bits_per_param"],
-            "total_bits": state["total_bits"],
-            **({"wire_bytes_per_step": state["wire_bytes"] / steps} if "wire_bytes" in state else {}),
+            "metrics": [dataclasses.asdict(m) for m in task.metrics],
+            **bits.summary(steps),
             "wall_time": time.time() - start_time,
             "params_sha256": params_digest(flat),
-            "config_hash": digest,
+            "config_hash": directory.config_hash,
             **git_version(),
         }
         if cluster.is_main:
-            atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        checkpoint_path.unlink(missing_ok=True)
+            directory.write_summary(summary)
+        directory.remove_checkpoint(suffix)
         return summary
     finally:
         logger.finish()
@@ -221,39 +185,24 @@ def params_digest(flat: FlatParams) -> str:
     return digest.hexdigest()
 
 
-def _save_checkpoint(path: Path, digest: str, state: dict, flat: FlatParams, cluster) -> None:
-    atomic_torch_save(
-        {
-            "config_hash": digest,
-            "state": dict(state),
-            "params": {str(d): b.clone() for d, b in flat.buffers.items()},
-            "cluster": cluster.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-        },
-        path,
-    )
+def _checkpoint(step: int, wall_time: float, bits: BitsTally, flat: FlatParams, cluster: Cluster) -> dict[str, Any]:
+    """What resuming at `step` needs: the parameters, the cluster's states, the bit counts, torch's RNG."""
+    return {
+        "step": step,
+        "wall_time": wall_time,
+        "bits": dataclasses.asdict(bits),
+        "params": {str(d): b.clone() for d, b in flat.buffers.items()},
+        "cluster": cluster.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+    }
 
 
-def _resume(path: Path, digest: str, flat: FlatParams, cluster) -> dict:
-    checkpoint = torch.load(path, weights_only=False)
-    if checkpoint["config_hash"] != digest:
-        raise ConfigError(
-            f"{path} was written by another config (hash {checkpoint['config_hash']} != {digest}); "
-            "rerun with the original settings, or delete the checkpoint to start over"
-        )
+def _restore(checkpoint: dict[str, Any], flat: FlatParams, cluster: Cluster) -> tuple[int, float, BitsTally]:
     for dtype, buffer in flat.buffers.items():
         buffer.copy_(checkpoint["params"][str(dtype)])
     cluster.load_state_dict(checkpoint["cluster"])
     torch.set_rng_state(checkpoint["torch_rng"])
-    return checkpoint["state"]
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep only the lines a resumed run will not write again."""
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return checkpoint["step"], checkpoint["wall_time"], BitsTally(**checkpoint["bits"])
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

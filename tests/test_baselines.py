@@ -1,5 +1,8 @@
 """The compression baselines (DGC, TernGrad, GradDrop): hand-computed steps, parity with the base
-optimizer when compression is off, bit counts pinned to the issue's formulas, and bad settings."""
+optimizer when compression is off, bit counts pinned to the issue's formulas, and bad settings.
+
+Steps run through the runner's own loop (`algorithm1_step`) on a simulated backend that records
+the messages."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from distlion.cluster.simulated import SimulatedBackend
 from distlion.comm.message import Message
 from distlion.comm.packing import unpack_uint
 from distlion.flat import Segment
@@ -17,6 +21,7 @@ from distlion.methods import build_method
 from distlion.methods.base import Method, StepContext
 from distlion.methods.dgc import DGC, sampled_topk
 from distlion.methods.graddrop import GradDrop, exact_topk
+from distlion.methods.step import BufferWorkers, algorithm1_step
 from distlion.methods.terngrad import TernGrad
 
 # 10 parameters: a 2x4 weight matrix and a bias of 2 (DGC sparsifies only the matrix).
@@ -33,19 +38,27 @@ class Exchange:
     pre_down: Message
 
 
-def drive(method: Method, grads, states, step=0, lr=1.0, epoch=0.0, seed=0, apply=True) -> Exchange:
-    """One step by hand: (pre-exchange), worker rules, server rule, apply rule."""
+class RecordingBackend(SimulatedBackend):
+    """The simulated backend, keeping every exchange's uplinks and downlink for the test to read."""
+
+    def __init__(self, num_workers: int):
+        super().__init__(num_workers)
+        self.exchanges: list[tuple[list[Message], Message]] = []
+
+    def exchange(self, how, server_rule, messages):
+        reply, bits = super().exchange(how, server_rule, messages)
+        self.exchanges.append((messages, reply))
+        return reply, bits
+
+
+def drive(method: Method, grads, states, step=0, lr=1.0, epoch=0.0, seed=0) -> Exchange:
+    """One step of the runner's Algorithm 1 loop: (pre-exchange), worker rules, server rule, apply rule."""
+    backend = RecordingBackend(len(grads))
     ctx = StepContext(step=step, lr=lr, num_workers=len(grads), epoch=epoch, seed=seed)
-    workers = [dataclasses.replace(ctx, worker=i) for i in range(len(grads))]
-    pre_up, pre_down = [], Message()
-    if hasattr(method, "pre_worker_rule"):
-        pre_up = [method.pre_worker_rule(g, s, c) for g, s, c in zip(grads, states, workers, strict=True)]
-        pre_down = method.pre_server_rule(pre_up, ctx)
-        method.pre_apply_rule(pre_down, ctx)
-    up = [method.worker_rule(g, s, c) for g, s, c in zip(grads, states, workers, strict=True)]
-    down = method.server_rule(up, ctx)
-    if apply:
-        method.apply_rule(down, ctx)
+    local = BufferWorkers([method] * len(grads), states)
+    algorithm1_step({torch.float32: local}, {torch.float32: torch.stack(grads)}, ctx, backend)
+    *pre, (up, down) = backend.exchanges
+    pre_up, pre_down = pre[0] if pre else ([], Message())
     return Exchange(up, down, pre_up, pre_down)
 
 
@@ -280,7 +293,7 @@ def test_terngrad_is_unbiased_with_a_shared_scaler():
     num_seeds = 300
     total = torch.zeros(1000, dtype=torch.float64)
     for seed in range(num_seeds):
-        ex = drive(method, grads, states, seed=seed, apply=False)
+        ex = drive(method, grads, states, seed=seed)
         assert int(unpack_uint(ex.down["sums"], 1000).max()) <= 4  # sum_i t_i + N in [0, 2N]
         total += method.decode(ex.down, StepContext(step=0, lr=1.0, num_workers=2)).double()
     scaler = ex.pre_down["scalers"].double().repeat_interleave(torch.tensor([500, 500]))
@@ -312,7 +325,11 @@ def test_terngrad_needs_the_scaler_exchange_of_the_same_step():
     ctx = StepContext(step=0, lr=1.0, num_workers=2)
     with pytest.raises(RuntimeError, match="pre-exchange"):
         method.worker_rule(grads[0], states[0], ctx)
-    up, down = method.prepare(torch.stack(grads), ctx)  # the one-process form of the pre-exchange
+    # The pre-exchange by hand: each worker's scalers, their max, taken in by the worker.
+    up = [method.pre_worker_rule(g, s, dataclasses.replace(ctx, worker=i))
+          for i, (g, s) in enumerate(zip(grads, states, strict=True))]
+    down = method.pre_server_rule(up, ctx)
+    method.pre_apply_rule(down, ctx)
     assert [m.bits for m in up] == [64, 64] and down.bits == 64
     method.worker_rule(grads[0], states[0], ctx)
     with pytest.raises(RuntimeError, match="step 1"):
@@ -343,7 +360,7 @@ def test_terngrad_sums_of_many_workers_take_more_than_eight_bit_planes():
     method = TernGrad(clip=None)
     _, states = bound(method, 10, 130, TWO_LAYERS)
     grad = t(2, -2, 0, 2, 0, -2, 3, 0, 0, -3)
-    ex = drive(method, [grad] * 130, states, apply=False)
+    ex = drive(method, [grad] * 130, states)
     assert ex.down["sums"].shape[0] == 9
     assert torch.equal(method.decode(ex.down, StepContext(step=0, lr=1.0, num_workers=130)), grad)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from distlion import Simulation
+from distlion.methods import METHODS, method_table
 
 NUMEL = 1001  # not a multiple of 8: the last byte of each packed plane is padding
 
@@ -45,3 +47,46 @@ def test_global_methods_are_32_bits_each_way(method, num_workers):
     up, down = one_step_bits(method, num_workers)
     assert up == [32 * NUMEL] * num_workers
     assert down == 32 * NUMEL
+
+
+# Every registered method against its registry formula, on a model-like layout (a matrix, a bias, a
+# vector: L = 3, n = 109, DGC sends the bias and vector dense) with the symbols read off the messages.
+LAYOUT = [(7, 13), (13,), (5,)]
+
+
+def packed_planes(message) -> int:
+    """Bit-planes a message packs (uint8 tensors [..., B]); each may carry up to 7 bits of padding."""
+    return sum(math.prod(t.shape[:-1]) for t in message.tensors.values() if t.dtype == torch.uint8)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 8])
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_moves_the_bits_of_its_registry_formula(name, num_workers):
+    gen = torch.Generator().manual_seed(num_workers)
+    sim = Simulation(name, [torch.randn(s, generator=gen) for s in LAYOUT], num_workers, lr=1e-3)
+    exchanges = []
+    exchange = sim.cluster.backend.exchange
+
+    def recording(how, rule, messages):
+        reply, bits = exchange(how, rule, messages)
+        exchanges.append((messages, reply))
+        return reply, bits
+
+    sim.cluster.backend.exchange = recording
+    out = sim.step([[torch.randn(s, generator=gen) for s in LAYOUT] for _ in range(num_workers)])
+    n, (up, _) = sum(math.prod(s) for s in LAYOUT), exchanges[-1]
+    sent = [set(m["indices"].tolist()) if "indices" in m.tensors else set() for m in up]
+    symbols = {"n": n, "N": num_workers, "L": len(LAYOUT), "U": len(set().union(*sent)),
+               "n_dense": up[0]["dense"].numel() if "dense" in up[0].tensors else 0}
+    info = METHODS[name]
+    for i, bits in enumerate(out.bits_up):
+        expected, _ = info.bits(**symbols, k=len(sent[i]))
+        padding = 7 * sum(packed_planes(messages[i]) for messages, _ in exchanges)
+        assert 0 <= bits - expected * n <= padding, (i, bits, expected * n)
+    _, expected = info.bits(**symbols, k=0)
+    assert 0 <= out.bits_down - expected * n <= 7 * sum(packed_planes(reply) for _, reply in exchanges)
+
+
+def test_the_readme_method_table_is_the_registry_s():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert method_table() in readme, "regenerate README's method table: python -m distlion.methods"

@@ -16,11 +16,13 @@ import hydra
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
 
 import distlion.tasks.data as data_module
 import distlion.tasks.tokenizer as tokenizer_module
 from distlion.report import write_report
+from distlion.tasks import TASK_CONFIGS, build_task
 from distlion.tasks.cifar10 import Cifar10Task, random_crop_flip
 from distlion.tasks.data import DATA_ENV, data_root
 from distlion.tasks.lm import LanguageModelTask
@@ -185,13 +187,30 @@ def test_imagenet_path_on_a_tiny_image_folder(make_cfg, tmp_path):
                    f"task.data={tmp_path / 'folder'}", "task.image_size=32", "task.eval_workers=0",
                    "method=lion", "cluster.workers=2", "cluster.per_worker_batch=2", "train.steps=6")
     summary = run(cfg, tmp_path / "run")
-    task = hydra.utils.instantiate(cfg.task, model=cfg.model, _recursive_=False)
+    task = build_task(cfg.task, cfg.model)
     batches = [task.train_batch(torch.arange(4), torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(batches[0][0], batches[1][0])  # timm's random transforms drawn from the generator
     assert summary["num_params"] < 100_000  # the tiny variant, with 3 output classes
     assert 0.0 <= summary["eval_accuracy"] <= 1.0 and summary["eval_top5"] == 1.0  # 3 classes < 5
     assert summary["bits_per_param_per_iter"] == 64.0
     assert len([m for m in read_metrics(tmp_path / "run") if "eval_top5" in m]) >= 1
+    assert set(task.evaluate(task.build_model())) == {m.key for m in task.metrics}
+
+
+def test_task_configs_are_named_by_their_file():
+    for path in TASK_CONFIGS.glob("*.yaml"):
+        assert OmegaConf.load(path).name == path.stem
+
+
+def test_evaluate_returns_exactly_the_declared_metrics(make_cfg, tmp_path):
+    (tmp_path / "book.txt").write_text("to be or not to be, that is the question. " * 50)
+    for overrides in (["task=digits", "model=vit_digits"],
+                      ["task=shakespeare", *TINY_LLAMA, f"task.data={tmp_path / 'book.txt'}", "task.tokenizer=bytes",
+                       "task.block_size=16", "task.eval_blocks=2"]):
+        cfg = make_cfg(*overrides)
+        task = build_task(cfg.task, cfg.model)
+        assert set(task.evaluate(task.build_model())) == {m.key for m in task.metrics}
+        assert task.metric == task.metrics[0].key
 
 
 def test_data_root_is_the_env_var_else_the_shared_copy(monkeypatch, tmp_path):
@@ -210,7 +229,7 @@ def test_missing_data_is_one_clear_error(make_cfg, tmp_path, monkeypatch, task, 
     monkeypatch.setenv(DATA_ENV, str(tmp_path / "root"))
     cfg = make_cfg(f"task={task}", f"task.data={data}")
     with pytest.raises(Exception) as err:  # hydra wraps the task's FileNotFoundError
-        hydra.utils.instantiate(cfg.task, model={}, _recursive_=False)
+        build_task(cfg.task, model={})
     cause = err.value if isinstance(err.value, FileNotFoundError) else err.value.__cause__
     assert isinstance(cause, FileNotFoundError)
     message = str(cause)

@@ -84,9 +84,9 @@ class Recorder:
         self._cls, self._step = cluster_cls, cluster_cls.step
         recorder = self
 
-        def build_run(cfg):
-            result = recorder._build(cfg)
-            recorder.flat = result[2]
+        def build_run(*args):
+            result = recorder._build(*args)
+            recorder.flat = result.flat
             return result
 
         def step(cluster, grads, step, lr, epoch=0.0):
@@ -322,7 +322,7 @@ def test_distributed_lion_on_4_ranks_equals_the_simulated_cluster(jobs, aggregat
     sizes = [sum(p.numel() for p in group["params"]) for group in param_groups(small_model())]
     planes = 2 if aggregation == "mavo" else 1 + 3
     # Per group: (N - 1) word-aligned shards of ceil(n / 8) bytes per plane each way.
-    from distlion.cluster.torchdist import shard_bytes
+    from distlion.comm.exchange import shard_bytes
 
     expected = sum((RANKS - 1) * shard_bytes((n + 7) // 8, RANKS) * planes for n in sizes)
     assert all(w["sent"] == w["received"] == expected for w in wire)
@@ -398,7 +398,7 @@ def test_distributed_lion_state_dict_round_trip_continues_the_same_trajectory():
 
 
 def test_shards_are_word_aligned_and_cover_the_buffer_with_bounded_padding():
-    from distlion.cluster.torchdist import shard_bytes
+    from distlion.comm.exchange import shard_bytes
 
     for num_bytes in (0, 1, 7, 8, 63, 64, 12818, 10**6 + 3):
         for n in (1, 2, 3, 4, 8):
@@ -407,15 +407,16 @@ def test_shards_are_word_aligned_and_cover_the_buffer_with_bounded_padding():
 
 
 def test_sharded_exchange_of_packed_planes_is_the_server_rule_in_one_process():
-    from distlion.cluster.torchdist import sharded_exchange
     from distlion.comm.collectives import Collectives
+    from distlion.comm.exchange import sharded_exchange
     from distlion.comm.message import Message
     from distlion.methods.base import StepContext
     from distlion.methods.terngrad import TernGrad
 
     planes = torch.randint(0, 256, (2, 37), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     method, ctx = TernGrad(), StepContext(step=3, lr=0.1, num_workers=1)
-    down, bits = sharded_exchange(method.server_rule, Message({"codes": planes}), ctx, Collectives.local())
+    rule = lambda messages: method.server_rule(messages, ctx)  # noqa: E731
+    down, bits = sharded_exchange(rule, Message({"codes": planes}), Collectives.local())
     assert torch.equal(down["sums"], method.server_rule([Message({"codes": planes})], ctx)["sums"])
     assert bits == [2 * 37 * 8]
 

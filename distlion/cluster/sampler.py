@@ -15,10 +15,6 @@ class ShardedSampler:
     """Worker i owns shard i (a fixed random subset); each step it takes `per_worker_batch` of them."""
 
     def __init__(self, num_examples: int, num_workers: int, per_worker_batch: int, seed: int):
-        if num_workers < 1:
-            raise ValueError(f"cluster.workers={num_workers} must be >= 1")
-        if per_worker_batch < 1:
-            raise ValueError(f"cluster.per_worker_batch={per_worker_batch} must be >= 1")
         shard_size = num_examples // num_workers
         if per_worker_batch > shard_size:
             raise ValueError(

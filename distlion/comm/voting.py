@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from distlion.comm.packing import as_words, uint_width, unpack_bits
+from distlion.comm.packing import alternating_bits, as_words, uint_width, unpack_bits
 
 _CPU_CHUNK_BYTES = 1 << 18
 
@@ -109,3 +109,18 @@ def unpack_and_sum(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Reference rule: unpack every worker's signs to +-1 and sum them, int64 [numel]."""
     signs = unpack_bits(packed, numel).to(torch.int64) * 2 - 1
     return signs.sum(dim=0)
+
+
+TIE_RULES = ("alternate", "positive", "negative")
+
+
+def tie_bits(rule: str, num_bytes: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The packed bits a tie takes under `rule`: "alternate" (+1 where index + step is even, see
+    `alternating_bits`), "positive" (all +1) or "negative" (all -1, returned as None: no bit to set)."""
+    if rule == "alternate":
+        return alternating_bits(num_bytes, step, device)
+    if rule == "positive":
+        return torch.full((num_bytes,), 0xFF, dtype=torch.uint8, device=device)
+    if rule == "negative":
+        return None
+    raise ValueError(f"tie rule {rule!r} is unknown; choose one of {TIE_RULES}")

@@ -1,31 +1,47 @@
-"""Communication methods by name: `build_method("dlion", lr=1e-4, aggregation="mavo")`."""
+"""Communication methods by name: `build_method("dlion", lr=1e-4)`, `build_method("dlion_avg")`.
+
+Every module of this package is imported here, so a method file that calls `register(...)` is
+available everywhere (runner, config validation, report, README table) without being listed.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import pkgutil
 
 from distlion.methods.base import Method, StepContext
-from distlion.methods.dgc import DGC
-from distlion.methods.dlion import DLion
-from distlion.methods.global_opt import GlobalAdamW, GlobalLion
-from distlion.methods.graddrop import GradDrop
-from distlion.methods.terngrad import TernGrad
+from distlion.methods.registry import (
+    FAMILIES,
+    METHODS,
+    MethodInfo,
+    build_method,
+    check_hparams,
+    hyperparameters,
+    label_order,
+    method_info,
+    method_label,
+    method_table,
+    register,
+    variant_of,
+)
 
-METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (DLion, GlobalLion, GlobalAdamW, DGC, TernGrad, GradDrop)
-}
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")
 
-
-def register(cls: type[Method]) -> type[Method]:
-    METHODS[cls.name] = cls
-    return cls
-
-
-def build_method(name: str, **hparams: Any) -> Method:
-    """Build an (unbound) method by its registry name with its hyperparameters."""
-    if name not in METHODS:
-        raise ValueError(f"method={name!r} is unknown; choose one of {sorted(METHODS)}")
-    return METHODS[name](**hparams)
-
-
-__all__ = ["METHODS", "Method", "StepContext", "build_method", "register"]
+__all__ = [
+    "FAMILIES",
+    "METHODS",
+    "Method",
+    "MethodInfo",
+    "StepContext",
+    "build_method",
+    "check_hparams",
+    "hyperparameters",
+    "label_order",
+    "method_info",
+    "method_label",
+    "method_table",
+    "register",
+    "variant_of",
+]

@@ -1,14 +1,18 @@
 """What a communication method is: a worker rule, a server rule and an apply rule.
 
 Data flows one way: per-worker gradient -> worker rule -> uplink `Message` -> server rule ->
-downlink `Message` -> apply rule on the shared parameters. A method instance is bound to one flat
+downlink `Message` -> apply rule on the parameters. A method instance is bound to one flat
 parameter buffer (see `distlion.flat`); per-worker state (e.g. Lion momentum) is passed in
 explicitly, so a cluster backend decides where it lives. State that every worker holds identically
 (the global optimizers' moments) belongs to the bound method itself.
+
+A method never learns which backend runs it: `distlion.methods.step.algorithm1_step` calls
+its rules, and `exchange` / `pre_exchange` name how the server rule may be distributed.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -37,15 +41,32 @@ class StepContext:
         return torch.Generator(device=device).manual_seed(derive_seed(self.seed, self.step, self.worker))
 
 
+def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"method.{setting}={value!r} is unknown; choose one of {choices}")
+
+
+def check_fraction(setting: str, value: float, hint: str) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(f"method.{setting}={value} must be in [0, 1) ({hint})")
+
+
 class Method(ABC):
-    """Base class of every communication method. Subclasses set `name` and the three rules."""
+    """Base class of every communication method. Subclasses set `name` and the three rules.
+
+    A method's hyperparameters are its constructor's arguments, each stored under its own name
+    (`hparams()` reads them back); the registry (`distlion.methods.registry`) declares the rest.
+    """
 
     name: ClassVar[str]
-    # How a multi-process backend runs `server_rule` (distlion.cluster.torchdist): "allgather" (every
-    # rank gathers all N uplinks and runs it; valid for any rule), "sharded" (the rule is bytewise
-    # along the last dim of packed uint8 messages, so rank j runs it on the j-th 1/N byte shard) or
-    # "mean" (the rule depends on the uplinks only through their mean: an all-reduce).
+    # How the server rule may be distributed over N processes (distlion.comm.exchange.EXCHANGES):
+    # "allgather" (every rank gathers all N uplinks and runs it; valid for any rule), "sharded" (the
+    # rule is bytewise along the last dim of packed uint8 messages, so rank j runs it on the j-th 1/N
+    # byte shard) or "mean" (the rule depends on the uplinks only through their mean: an all-reduce).
     exchange: ClassVar[str] = "allgather"
+    # A round before the worker rule (TernGrad's shared scalers): how it is exchanged, or None for
+    # no pre-exchange. Then `pre_worker_rule`, `pre_server_rule` and `pre_apply_rule` run first.
+    pre_exchange: ClassVar[str | None] = None
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
         if not lr > 0:
@@ -59,9 +80,7 @@ class Method(ABC):
         self.num_workers = 0
 
     def bind(self, params: torch.Tensor, num_workers: int, layout: Layout | None = None) -> Method:
-        """Attach the method to a flat parameter buffer shared by (identical on) all workers."""
-        if num_workers < 1:
-            raise ValueError(f"cluster.workers={num_workers} must be >= 1")
+        """Attach the method to a flat parameter buffer (one per dtype) of `num_workers` workers."""
         self.params = params
         self.num_workers = num_workers
         self.layout = layout if layout is not None else [Segment("params", 0, params.numel(), (params.numel(),))]
@@ -73,6 +92,17 @@ class Method(ABC):
     def init_worker_state(self) -> dict[str, torch.Tensor]:
         """Fresh per-worker state (never synchronized across workers)."""
         return {}
+
+    def pre_worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
+        """Worker i's message of the pre-exchange (only called when `pre_exchange` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} sets pre_exchange but has no pre_worker_rule")
+
+    def pre_server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
+        raise NotImplementedError(f"{type(self).__name__} sets pre_exchange but has no pre_server_rule")
+
+    def pre_apply_rule(self, down: Message, ctx: StepContext) -> None:
+        """Every worker: take in the pre-exchange's result before its worker rule."""
+        raise NotImplementedError(f"{type(self).__name__} sets pre_exchange but has no pre_apply_rule")
 
     @abstractmethod
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
@@ -94,4 +124,6 @@ class Method(ABC):
         del state
 
     def hparams(self) -> dict[str, Any]:
-        return {"lr": self.lr, "weight_decay": self.weight_decay}
+        """The constructor's arguments as this instance holds them."""
+        names = [k for k in inspect.signature(type(self).__init__).parameters if k != "self"]
+        return {k: getattr(self, k) for k in names}

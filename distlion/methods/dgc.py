@@ -9,8 +9,9 @@ import torch
 
 from distlion.comm.message import Message
 from distlion.flat import Segment
-from distlion.methods.base import Method, StepContext
-from distlion.methods.graddrop import SparseExchange, check_fraction, exact_topk, num_kept
+from distlion.methods.base import Method, StepContext, check_fraction
+from distlion.methods.registry import MethodInfo, register
+from distlion.methods.sparse import SparseMeanMethod, exact_topk, num_kept
 
 # Threshold sampling, as in the reference code (github.com/synxlin/deep-gradient-compression).
 SAMPLE_RATIO = 0.01  # fraction of |v| sampled for the threshold
@@ -44,7 +45,7 @@ def sampled_topk(importance: torch.Tensor, keep: float, generator: torch.Generat
     return idx[importance[idx] > 0]
 
 
-class DGC(SparseExchange):
+class DGC(SparseMeanMethod):
     """DGC: momentum correction, local clipping, momentum factor masking, warm-up; each switchable.
 
     Worker i (u_i momentum, v_i velocity; never synchronized), gradient g_i:
@@ -74,7 +75,7 @@ class DGC(SparseExchange):
     default coefficient is not 0.25 unless passed explicitly; here it is the default.
 
     The top-k threshold comes from a 1% sample of |v| (`sampled_topk`), or is exact with
-    `exact_topk=True`. Bits: 64 per sent entry + 32 per dense element up; down, see `SparseExchange`.
+    `exact_topk=True`. Bits: 64 per sent entry + 32 per dense element up; down, see `SparseMeanMethod`.
     """
 
     name = "dgc"
@@ -167,11 +168,14 @@ class DGC(SparseExchange):
         return message
 
     def apply_rule(self, down: Message, ctx: StepContext) -> None:
-        update = self.decode(down)
-        if self.decay is not None:
+        if self.decay is not None:  # b = m * b + wd * x, from the parameters before this step
             self.decay.mul_(self.momentum).add_(self.params, alpha=self.weight_decay)
-            update = update + self.decay
-        super().apply_rule(Message({"mean_grad": update}), ctx)
+        super().apply_rule(down, ctx)
+
+    def decode(self, down: Message, ctx: StepContext) -> torch.Tensor:
+        """The mean update plus the decay momentum b (weight decay stays outside the compression)."""
+        update = super().decode(down, ctx)
+        return update if self.decay is None else update + self.decay
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": super().state_dict(), "decay": self.decay}
@@ -181,14 +185,6 @@ class DGC(SparseExchange):
         if self.decay is not None:
             self.decay.copy_(state["decay"])
 
-    def hparams(self) -> dict[str, Any]:
-        return {
-            **Method.hparams(self),
-            "momentum": self.momentum,
-            "sparsity": self.sparsity,
-            "clip_norm": self.clip_norm,
-            "momentum_masking": self.momentum_masking,
-            "warmup_epochs": self.warmup_epochs,
-            "warmup_coeff": self.warmup_coeff,
-            "exact_topk": self.exact_topk,
-        }
+
+register(MethodInfo("dgc", DGC, "DGC", "sparse", "(64*k + 32*n_dense)/n", "min(64*U + 32*n_dense, 32*n)/n", order=4,
+                    summary="top-k of momentum-corrected velocity, 99.9% sparsity after warm-up (Lin et al. 2018)"))

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from distlion.comm.message import Message
-from distlion.comm.packing import alternating_bits, pack_bits, unpack_bits, unpack_uint
-from distlion.comm.voting import count_votes, majority_vote
-from distlion.methods.base import Method, StepContext
+from distlion.comm.packing import pack_bits, unpack_bits, unpack_uint
+from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits
+from distlion.methods.base import Method, StepContext, check_choice
+from distlion.methods.registry import MethodInfo, register
 
 AGGREGATIONS = ("mavo", "avg")
-TIE_RULES = ("alternate", "positive", "negative")
 
 
 class DLion(Method):
@@ -48,12 +46,10 @@ class DLion(Method):
         mavo_tie: str = "alternate",
     ):
         super().__init__(lr, weight_decay)
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"method.aggregation={aggregation!r} is unknown; choose one of {AGGREGATIONS}")
-        for setting, value in (("zero_sign", zero_sign), ("mavo_tie", mavo_tie)):
-            if value not in TIE_RULES:
-                raise ValueError(f"method.{setting}={value!r} is unknown; choose one of {TIE_RULES}")
-        self.beta1, self.beta2 = (float(b) for b in betas)
+        check_choice("aggregation", aggregation, AGGREGATIONS)
+        check_choice("zero_sign", zero_sign, TIE_RULES)
+        check_choice("mavo_tie", mavo_tie, TIE_RULES)
+        self.betas = tuple(float(b) for b in betas)
         self.aggregation = aggregation
         self.zero_sign = zero_sign
         self.mavo_tie = mavo_tie
@@ -67,30 +63,24 @@ class DLion(Method):
     def init_worker_state(self) -> dict[str, torch.Tensor]:
         return {"momentum": torch.zeros_like(self.params)}
 
-    def _tie_bits(self, rule: str, num_bytes: int, step: int) -> torch.Tensor | None:
-        if rule == "alternate":
-            return alternating_bits(num_bytes, step, self.params.device)
-        if rule == "positive":
-            return torch.full((num_bytes,), 0xFF, dtype=torch.uint8, device=self.params.device)
-        return None
-
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
+        beta1, beta2 = self.betas
         momentum = state["momentum"]
         # Scratch buffers reused across workers and steps: fresh 4n-byte allocations page-fault.
-        update = torch.mul(momentum, self.beta1, out=self._scratch).add_(grad, alpha=1 - self.beta1)
+        update = torch.mul(momentum, beta1, out=self._scratch).add_(grad, alpha=1 - beta1)
         signs = pack_bits(torch.gt(update, 0, out=self._mask))
         zeros = torch.eq(update, 0, out=self._mask)
         if zeros.any():  # rare: only then pay for packing the ties
-            tie = self._tie_bits(self.zero_sign, signs.numel(), ctx.step)
+            tie = tie_bits(self.zero_sign, signs.numel(), ctx.step, signs.device)
             if tie is not None:
                 signs |= pack_bits(zeros) & tie
-        momentum.lerp_(grad, 1 - self.beta2)
+        momentum.lerp_(grad, 1 - beta2)
         return Message({"signs": signs})
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
         signs = torch.stack([m["signs"] for m in messages])
         if self.aggregation == "mavo":
-            tie = self._tie_bits(self.mavo_tie, signs.shape[1], ctx.step)
+            tie = tie_bits(self.mavo_tie, signs.shape[1], ctx.step, signs.device)
             return Message({"vote": majority_vote(signs, tie)})
         return Message({"counts": count_votes(signs)})
 
@@ -107,11 +97,9 @@ class DLion(Method):
             delta = counts.mul_(2).sub_(ctx.num_workers).div_(ctx.num_workers)
             self.params.add_(delta, alpha=-ctx.lr)
 
-    def hparams(self) -> dict[str, Any]:
-        return {
-            **super().hparams(),
-            "betas": (self.beta1, self.beta2),
-            "aggregation": self.aggregation,
-            "zero_sign": self.zero_sign,
-            "mavo_tie": self.mavo_tie,
-        }
+
+register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1", "1", order=7, fixed={"aggregation": "mavo"},
+                    summary="`sign(sum_i sign(b1 m_i + (1-b1) g_i))`", reference="Liu et al. 2024, Algorithm 1"))
+register(MethodInfo("dlion_avg", DLion, "D-Lion (Avg)", "sign", "1", "ceil(log2(N + 1))", order=6,
+                    fixed={"aggregation": "avg"}, summary="`(1/N) sum_i sign(...)`",
+                    reference="Liu et al. 2024, Algorithm 1"))

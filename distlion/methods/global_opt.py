@@ -6,82 +6,55 @@ parameter buffer with the all-reduced mean gradient as its `.grad`: 32 bits up, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from timm.optim import Lion
 
 from distlion.comm.message import Message
-from distlion.methods.base import Method, StepContext
+from distlion.methods.base import StepContext
+from distlion.methods.mean_gradient import MeanGradientMethod, fp32_mean
+from distlion.methods.registry import MethodInfo, register
 
 
-class GlobalOptimizer(Method):
-    """Mean of the workers' fp32 gradients, applied by a torch optimizer built in `make_optimizer`."""
+class GlobalMeanGradient(MeanGradientMethod):
+    """Every worker's gradient fp32 up, their mean fp32 down (an all-reduce)."""
 
-    exchange = "mean"  # an fp32 all-reduce
-
-    def __init__(self, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.99)):
-        super().__init__(lr, weight_decay)
-        self.betas = tuple(float(b) for b in betas)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._leaf: torch.nn.Parameter | None = None
-
-    def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        raise NotImplementedError
-
-    def bind(self, params: torch.Tensor, num_workers: int, layout=None) -> Method:
-        super().bind(params, num_workers, layout)
-        # A Parameter wrapping the buffer shares its storage, so optimizer steps update the model.
-        self._leaf = torch.nn.Parameter(params, requires_grad=True)
-        self.optimizer = self.make_optimizer([self._leaf])
-        return self
+    exchange = "mean"
 
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
         return Message({"grad": grad.to(torch.float32)})
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
-        total = torch.zeros_like(messages[0]["grad"])
-        for m in messages:
-            total += m["grad"]
-        return Message({"mean_grad": total.div_(len(messages))})
-
-    def apply_rule(self, down: Message, ctx: StepContext) -> None:
-        self._leaf.grad = down["mean_grad"].to(self._leaf.dtype)
-        for group in self.optimizer.param_groups:
-            group["lr"] = ctx.lr
-        self.optimizer.step()
-        self._leaf.grad = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def hparams(self) -> dict[str, Any]:
-        return {**super().hparams(), "betas": self.betas}
+        return Message({"mean_grad": fp32_mean(messages, "grad")})
 
 
-class GlobalAdamW(GlobalOptimizer):
+class GlobalAdamW(GlobalMeanGradient):
     """G-AdamW: `torch.optim.AdamW` on the all-reduced mean gradient."""
 
     name = "adamw"
 
     def __init__(self, lr: float = 1e-3, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):
-        super().__init__(lr, weight_decay, betas)
+        super().__init__(lr, weight_decay)
+        self.betas = tuple(float(b) for b in betas)
         self.eps = float(eps)
 
     def make_optimizer(self, params):
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
 
-class GlobalLion(GlobalOptimizer):
+class GlobalLion(GlobalMeanGradient):
     """G-Lion: `timm.optim.Lion` on the all-reduced mean gradient."""
 
     name = "lion"
 
     def __init__(self, lr: float = 1e-4, weight_decay: float = 0.0, betas=(0.9, 0.99)):
-        super().__init__(lr, weight_decay, betas)
+        super().__init__(lr, weight_decay)
+        self.betas = tuple(float(b) for b in betas)
 
     def make_optimizer(self, params):
         return Lion(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+
+register(MethodInfo("adamw", GlobalAdamW, "G-AdamW", "global", "32", "32", order=0,
+                    summary="`torch.optim.AdamW` on the mean gradient"))
+register(MethodInfo("lion", GlobalLion, "G-Lion", "global", "32", "32", order=1,
+                    summary="`timm.optim.Lion` on the mean gradient"))

@@ -1,151 +1,20 @@
 """Gradient Dropping (Aji & Heafield 2017, "Sparse Communication for Distributed Gradient Descent",
-arXiv 1704.05021), and the sparse exchange it shares with DGC.
-
-Both send the kept entries of a worker's accumulated gradient as (fp32 value, int32 index) pairs;
-the server sums them and every worker applies the mean with a library optimizer.
-"""
+arXiv 1704.05021)."""
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import torch
 
 from distlion.comm.message import Message
-from distlion.flat import Segment
-from distlion.methods.base import Method, StepContext
-from distlion.methods.global_opt import GlobalOptimizer
+from distlion.methods.base import StepContext, check_choice, check_fraction
+from distlion.methods.mean_gradient import LIBRARY_OPTIMIZERS, library_optimizer
+from distlion.methods.registry import MethodInfo, register
+from distlion.methods.sparse import SparseMeanMethod, exact_topk, num_kept
 
-BASE_OPTIMIZERS = ("sgd", "adamw")
 THRESHOLDS = ("global", "layer")
 
 
-def base_optimizer(
-    name: str,
-    params: list[torch.Tensor],
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    betas: tuple[float, float],
-) -> torch.optim.Optimizer:
-    """The library optimizer that consumes a baseline's aggregated gradient."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-
-
-def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"method.{setting}={value!r} is unknown; choose one of {choices}")
-
-
-def check_fraction(setting: str, value: float, hint: str) -> None:
-    if not 0 <= value < 1:
-        raise ValueError(f"method.{setting}={value} must be in [0, 1) ({hint})")
-
-
-def num_kept(numel: int, keep: float) -> int:
-    """k = ceil(keep * numel), at least 1; the epsilon stops 0.01 * 100 = 1.0000000000000009 giving 2."""
-    return max(1, math.ceil(numel * keep - 1e-9))
-
-
-def exact_topk(importance: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries of `importance` (>= 0), without the zeros (they carry nothing).
-
-    A full top-k of a large tensor is slow on CPU, so candidates are first cut at a threshold that
-    about 2k entries pass (the matching rank in an evenly strided sample); the top-k of the
-    candidates is the exact top-k whenever at least k pass, else the full top-k is taken.
-    """
-    n = importance.numel()
-    if k >= n:
-        return importance.nonzero().squeeze(1)
-    stride = max(1, n // max(1000, math.ceil(20 * n / k)))
-    if stride > 1:
-        sample = importance[::stride]
-        rank = min(sample.numel(), math.ceil(2 * k * sample.numel() / n))
-        candidates = (importance >= sample.topk(rank).values[-1]).nonzero().squeeze(1)
-        if candidates.numel() >= k:
-            idx = candidates[importance[candidates].topk(k, sorted=False).indices]
-            return idx[importance[idx] > 0]
-    idx = importance.topk(k, sorted=False).indices
-    return idx[importance[idx] > 0]
-
-
-class SparseExchange(GlobalOptimizer):
-    """Sparse values + indices up, the server's mean down, a library optimizer to apply it.
-
-    Uplink per worker: `values` fp32 and `indices` int32 (global positions in the flat buffer) of the
-    sent entries, 64 bits each, plus `dense` fp32 for the segments the method never sparsifies (DGC's
-    biases and norms; empty for GradDrop), 32 bits each.
-    Server: Delta = (1/N) sum_i sparse_i. The downlink is whichever of two encodings is smaller:
-      sparse: the union U of the workers' indices, values fp32 + indices int32, plus the dense
-              segments fp32: 64 |U| + 32 n_dense bits; chosen when 2 |U| < n_sparse;
-      dense:  `mean_grad`, the whole mean fp32: 32 n bits (also on a tie).
-    """
-
-    exchange = "allgather"  # every rank gathers the sparse uplinks and runs the server rule itself
-
-    def sparsifies(self, segment: Segment) -> bool:
-        """Whether a segment's entries are sent sparse (else dense fp32)."""
-        return True
-
-    def bind(self, params: torch.Tensor, num_workers: int, layout=None) -> Method:
-        super().bind(params, num_workers, layout)
-        if params.numel() >= 2**31:
-            raise ValueError(f"a flat buffer of {params.numel()} elements does not fit int32 indices")
-        self.sparse_segments = [s for s in self.layout if self.sparsifies(s)]
-        dense = [
-            torch.arange(s.offset, s.stop, device=params.device)
-            for s in self.layout
-            if not self.sparsifies(s)
-        ]
-        self.dense_index = (
-            torch.cat(dense) if dense else torch.zeros(0, dtype=torch.int64, device=params.device)
-        )
-        return self
-
-    def uplink(self, indices: torch.Tensor, source: torch.Tensor, dense_source: torch.Tensor) -> Message:
-        """The message of `source[indices]` sparse and the dense segments of `dense_source`."""
-        return Message(
-            {
-                "values": source[indices].to(torch.float32),
-                "indices": indices.to(torch.int32),
-                "dense": dense_source[self.dense_index].to(torch.float32),
-            }
-        )
-
-    def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
-        numel = self.params.numel()
-        total = torch.zeros(numel, dtype=torch.float32, device=self.params.device)
-        sent = torch.zeros(numel, dtype=torch.bool, device=self.params.device)
-        for m in messages:
-            idx = m["indices"].long()
-            total.index_add_(0, idx, m["values"])
-            sent[idx] = True
-            total.index_add_(0, self.dense_index, m["dense"])
-        total /= len(messages)
-        union = sent.nonzero().squeeze(1)
-        if 2 * union.numel() < numel - self.dense_index.numel():
-            return Message(
-                {"values": total[union], "indices": union.to(torch.int32), "dense": total[self.dense_index]}
-            )
-        return Message({"mean_grad": total})
-
-    def decode(self, down: Message) -> torch.Tensor:
-        """The downlink as the dense mean update, fp32 [n]."""
-        if "mean_grad" in down.tensors:
-            return down["mean_grad"]
-        update = torch.zeros(self.params.numel(), dtype=torch.float32, device=self.params.device)
-        update[down["indices"].long()] = down["values"]
-        update[self.dense_index] = down["dense"]
-        return update
-
-    def apply_rule(self, down: Message, ctx: StepContext) -> None:
-        super().apply_rule(Message({"mean_grad": self.decode(down)}), ctx)
-
-
-class GradDrop(SparseExchange):
+class GradDrop(SparseMeanMethod):
     """Gradient Dropping: send the largest entries of gradient + residual, keep the rest as residual.
 
     Worker i (residual r_i, never synchronized):
@@ -154,7 +23,7 @@ class GradDrop(SparseExchange):
     The top set is exact (`exact_topk`), k = ceil((1 - drop_ratio) * n) per threshold domain:
       global: one threshold over the whole buffer;
       layer:  one per parameter tensor, so a layer with small gradients still sends its largest.
-    Server and downlink: see `SparseExchange`. Every worker applies the mean with the base
+    Server and downlink: see `SparseMeanMethod`. Every worker applies the mean with the base
     optimizer (AdamW by default, SGD with momentum as an option). Up: 64 bits per sent entry.
     """
 
@@ -170,18 +39,19 @@ class GradDrop(SparseExchange):
         momentum: float = 0.9,
         betas: tuple[float, float] = (0.9, 0.999),
     ):
-        super().__init__(lr, weight_decay, betas)
+        super().__init__(lr, weight_decay)
         check_fraction("drop_ratio", drop_ratio, "0 sends everything; the paper drops 0.99")
         check_choice("threshold", threshold, THRESHOLDS)
-        check_choice("optimizer", optimizer, BASE_OPTIMIZERS)
+        check_choice("optimizer", optimizer, LIBRARY_OPTIMIZERS)
         self.drop_ratio = float(drop_ratio)
         self.threshold = threshold
-        self.base_optimizer = optimizer
+        self.optimizer = optimizer
         self.momentum = float(momentum)
+        self.betas = tuple(float(b) for b in betas)
 
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return base_optimizer(
-            self.base_optimizer, params, self.lr, self.weight_decay, self.momentum, self.betas
+        return library_optimizer(
+            self.optimizer, params, self.lr, self.weight_decay, self.momentum, self.betas
         )
 
     def init_worker_state(self) -> dict[str, torch.Tensor]:
@@ -204,12 +74,6 @@ class GradDrop(SparseExchange):
         residual[idx] = 0
         return message
 
-    def hparams(self) -> dict[str, Any]:
-        return {
-            **Method.hparams(self),
-            "drop_ratio": self.drop_ratio,
-            "threshold": self.threshold,
-            "optimizer": self.base_optimizer,
-            "momentum": self.momentum,
-            "betas": self.betas,
-        }
+
+register(MethodInfo("graddrop", GradDrop, "GradDrop", "sparse", "64*k/n", "min(64*U, 32*n)/n", order=3,
+                    summary="top 1% of gradient + residual (Aji & Heafield 2017)"))

@@ -3,16 +3,14 @@ Learning", arXiv 1705.07878)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, uint_width, unpack_bits
 from distlion.comm.voting import count_votes
-from distlion.methods.base import Method, StepContext
-from distlion.methods.global_opt import GlobalOptimizer
-from distlion.methods.graddrop import BASE_OPTIMIZERS, base_optimizer, check_choice
+from distlion.methods.base import StepContext, check_choice
+from distlion.methods.mean_gradient import LIBRARY_OPTIMIZERS, MeanGradientMethod, fp32_mean, library_optimizer
+from distlion.methods.registry import MethodInfo, register
 
 
 def add_planes(a: torch.Tensor, b: torch.Tensor, shift: int, width: int) -> torch.Tensor:
@@ -27,7 +25,7 @@ def add_planes(a: torch.Tensor, b: torch.Tensor, shift: int, width: int) -> torc
     return torch.stack(out)
 
 
-class TernGrad(GlobalOptimizer):
+class TernGrad(MeanGradientMethod):
     """Stochastic ternary gradients with a scaler per layer shared by all workers.
 
     Worker i, per layer l (one parameter tensor of the layout), gradient g:
@@ -40,11 +38,10 @@ class TernGrad(GlobalOptimizer):
     base optimizer (SGD with momentum as in the paper; AdamW as an option).
 
     Scaler sharing needs the workers to agree on S before they ternarize, so a step has a small
-    pre-exchange before the main one (an all-reduce MAX of L floats in a multi-process backend):
+    pre-exchange before the main one (`pre_exchange`, all-gathered in a multi-process backend):
         pre_worker_rule -> `scalers` fp32 [L] (32 bits per layer up)
         pre_server_rule -> `scalers` = elementwise max (32 bits per layer down)
         pre_apply_rule  stores S for this step on every worker
-    `prepare(grads, ctx)` runs the three for all workers of a one-process cluster.
     Bits per step, pre-exchange included, with n parameters in L layers:
         up:   2 bits per element (codes t + 1 in {0, 1, 2} as two bit-planes) + 32 L
         down: ceil(log2(2N + 1)) bits per element (sums + N in [0, 2N] as bit-planes) + 32 L
@@ -67,16 +64,17 @@ class TernGrad(GlobalOptimizer):
         momentum: float = 0.9,
         betas: tuple[float, float] = (0.9, 0.999),
     ):
-        super().__init__(lr, weight_decay, betas)
+        super().__init__(lr, weight_decay)
         if clip is not None and not clip > 0:
             raise ValueError(
                 f"method.clip={clip} must be > 0; the paper uses 2.5, null switches clipping off"
             )
-        check_choice("optimizer", optimizer, BASE_OPTIMIZERS)
+        check_choice("optimizer", optimizer, LIBRARY_OPTIMIZERS)
         self.clip = None if clip is None else float(clip)
         self.ternarize = bool(ternarize)
-        self.base_optimizer = optimizer
+        self.optimizer = optimizer
         self.momentum = float(momentum)
+        self.betas = tuple(float(b) for b in betas)
         self._shared: tuple[int, torch.Tensor] | None = None
 
     @property
@@ -84,9 +82,14 @@ class TernGrad(GlobalOptimizer):
         """The sum of codes is bytewise on bit-planes (sharded); unternarized fp32 is an all-reduce."""
         return "sharded" if self.ternarize else "mean"
 
+    @property
+    def pre_exchange(self) -> str | None:
+        """The scalers, all-gathered; no pre-exchange without ternarization."""
+        return "allgather" if self.ternarize else None
+
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return base_optimizer(
-            self.base_optimizer, params, self.lr, self.weight_decay, self.momentum, self.betas
+        return library_optimizer(
+            self.optimizer, params, self.lr, self.weight_decay, self.momentum, self.betas
         )
 
     def clip_limit(self, layer: torch.Tensor) -> torch.Tensor | None:
@@ -111,8 +114,6 @@ class TernGrad(GlobalOptimizer):
         self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext
     ) -> Message:
         """Worker i's scalers s_i = max|clip(g)| = min(max|g|, c * std) per layer, fp32 [L]."""
-        if not self.ternarize:
-            return Message()
         scalers = []
         for s in self.layout:
             layer = grad[s.offset : s.stop].to(torch.float32)
@@ -122,31 +123,17 @@ class TernGrad(GlobalOptimizer):
 
     def pre_server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
         """S = max_i s_i per layer."""
-        if not self.ternarize:
-            return Message()
         return Message({"scalers": torch.stack([m["scalers"] for m in messages]).amax(dim=0)})
 
     def pre_apply_rule(self, down: Message, ctx: StepContext) -> None:
         """Every worker keeps S for this step's worker rule and apply rule."""
-        if self.ternarize:
-            self._shared = (ctx.step, down["scalers"])
-
-    def prepare(self, grads: torch.Tensor, ctx: StepContext) -> tuple[list[Message], Message]:
-        """The pre-exchange for all workers in one process (grads [N, n]); returns its messages,
-        whose bits belong to the step's uplinks and downlink."""
-        up = [
-            self.pre_worker_rule(g, {}, StepContext(**{**ctx.__dict__, "worker": i}))
-            for i, g in enumerate(grads)
-        ]
-        down = self.pre_server_rule(up, ctx)
-        self.pre_apply_rule(down, ctx)
-        return up, down
+        self._shared = (ctx.step, down["scalers"])
 
     def shared_scalers(self, step: int) -> torch.Tensor:
         if self._shared is None or self._shared[0] != step:
             raise RuntimeError(
                 f"terngrad has no shared scalers for step {step}: run the pre-exchange "
-                "(prepare, or pre_worker_rule/pre_server_rule/pre_apply_rule) before the worker rules"
+                "(pre_worker_rule, pre_server_rule, pre_apply_rule) before the worker rules"
             )
         return self._shared[1]
 
@@ -170,7 +157,7 @@ class TernGrad(GlobalOptimizer):
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
         if not self.ternarize:
-            return super().server_rule(messages, ctx)
+            return Message({"mean_grad": fp32_mean(messages, "grad")})
         codes = torch.stack([m["codes"] for m in messages])
         # sum_i (t_i + 1) = #[t_i = 0] + 2 #[t_i = +1], counted and added on packed bit-planes.
         zeros, plus = count_votes(codes[:, 0]), count_votes(codes[:, 1])
@@ -190,15 +177,6 @@ class TernGrad(GlobalOptimizer):
             total[s.offset : s.stop].sub_(num_workers).mul_(scaler / num_workers)
         return total
 
-    def apply_rule(self, down: Message, ctx: StepContext) -> None:
-        super().apply_rule(Message({"mean_grad": self.decode(down, ctx)}), ctx)
 
-    def hparams(self) -> dict[str, Any]:
-        return {
-            **Method.hparams(self),
-            "clip": self.clip,
-            "ternarize": self.ternarize,
-            "optimizer": self.base_optimizer,
-            "momentum": self.momentum,
-            "betas": self.betas,
-        }
+register(MethodInfo("terngrad", TernGrad, "TernGrad", "quantized", "2 + 32*L/n", "ceil(log2(2*N + 1)) + 32*L/n",
+                    order=2, summary="stochastic ternary, per-layer scaler shared by max (Wen et al. 2017)"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import hydra
@@ -11,16 +12,51 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@dataclass(frozen=True)
+class Metric:
+    """One number a task's `evaluate()` returns, as tables and plots show it."""
+
+    key: str
+    """Key in `evaluate()`'s dict and in summary.json, e.g. "eval_accuracy"."""
+    display: str
+    """Column and axis title, naming the split and the unit, e.g. "test accuracy (%)"."""
+    split: str
+    """Where it is measured: "test" or "validation" (a reference may come from "train")."""
+    higher_is_better: bool
+    scale: float = 1.0
+    """Display multiplier: 100 for a fraction shown in %."""
+    decimals: int = 4
+    """Decimals shown in tables."""
+    reference: bool = False
+    """A reference value (e.g. the unigram entropy), drawn as a line and written under the table, not a score."""
+    reference_for: str | None = None
+    """The key of the metric whose plots a reference is drawn on."""
+    note: str = ""
+    """Words written after a reference's value under the table: its unit and what it means."""
+
+    def __post_init__(self) -> None:
+        if self.split not in ("test", "validation", "train"):
+            raise ValueError(f"metric {self.key!r}: split {self.split!r} is not test, validation or train")
+        if self.reference != (self.reference_for is not None):
+            raise ValueError(f"metric {self.key!r}: a reference names the metric it is drawn on, and only a reference")
+
+
 class Task(ABC):
     """A data set + model + loss. The sampler shards examples by index, so a task only maps
     indices to a batch; `evaluate` runs on the held-out split."""
 
-    #: The summary metric of the task, and whether higher is better.
-    metric: str = "eval_accuracy"
-    higher_is_better: bool = True
+    #: What `evaluate` returns, as the report shows it; the first entry is the headline metric.
+    metrics: tuple[Metric, ...] = ()
 
     def __init__(self, model: Any):
+        if not self.metrics:
+            raise TypeError(f"{type(self).__name__} declares no metrics")
         self.model_cfg = model
+
+    @property
+    def metric(self) -> str:
+        """Key of the headline metric."""
+        return self.metrics[0].key
 
     @property
     @abstractmethod
@@ -44,8 +80,12 @@ class Task(ABC):
 
 
 class ClassificationTask(Task):
-    """Image classification held as tensors in memory: cross-entropy, top-1 accuracy."""
+    """Image classification held as tensors in memory: cross-entropy, top-1 accuracy on the test split."""
 
+    metrics = (
+        Metric("eval_accuracy", "test accuracy (%)", "test", higher_is_better=True, scale=100.0, decimals=2),
+        Metric("eval_loss", "test loss (nats)", "test", higher_is_better=False),
+    )
     eval_batch_size = 1024
 
     def __init__(self, model: Any, label_smoothing: float = 0.0):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Task
+from distlion.tasks.base import Metric, Task
 from distlion.tasks.cifar10 import check_image_model, mixup_pairs
 from distlion.tasks.data import hub_id, is_hub_id, missing_data_error, resolve_path, seeded_host_rngs
 
@@ -27,6 +27,13 @@ HOW = "ImageNet-1k as an ImageFolder tree (train/<wnid>/*.JPEG, val/<wnid>/*.JPE
 class ImageNetTask(Task):
     """`num_classes` is read from the data and passed to the model; `eval_subset` evaluates on that many
     evenly spaced validation images (None = all)."""
+
+    # Evaluated on `val_split`: ImageNet's test labels are not public, so this is validation accuracy.
+    metrics = (
+        Metric("eval_accuracy", "validation top-1 (%)", "validation", higher_is_better=True, scale=100.0, decimals=2),
+        Metric("eval_top5", "validation top-5 (%)", "validation", higher_is_better=True, scale=100.0, decimals=2),
+        Metric("eval_loss", "validation loss (nats)", "validation", higher_is_better=False),
+    )
 
     def __init__(
         self,

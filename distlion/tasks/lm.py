@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Task
+from distlion.tasks.base import Metric, Task
 from distlion.tasks.data import (
     atomic_save,
     cache_dir,
@@ -52,8 +52,13 @@ class LanguageModelTask(Task):
     ignores context: the reference line a trained model must fall well below.
     """
 
-    metric = "eval_loss"
-    higher_is_better = False
+    metrics = (
+        Metric("eval_loss", "validation loss (nats/token)", "validation", higher_is_better=False),
+        Metric("eval_perplexity", "validation perplexity", "validation", higher_is_better=False),
+        Metric("unigram_entropy", "unigram entropy of the tokenizer's training data", "train",
+               higher_is_better=False, decimals=3, reference=True, reference_for="eval_loss",
+               note="nats/token (the validation loss of the best model that ignores context)"),
+    )
 
     def __init__(
         self,

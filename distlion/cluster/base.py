@@ -1,0 +1,185 @@
+"""The cluster contract: a `Backend` (where workers run, how their messages meet, who writes results)
+and the `Cluster` that steps a method over it with the one step loop of `distlion.methods.step`.
+
+The backend is an `Exchanger` (`distlion.comm.exchange`) plus what a training run needs around
+the step: the mean train loss over all workers, the wire bytes moved, a check before the first step,
+which process writes results, and the name of this process's checkpoint file.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distlion.comm.collectives import WireBytes
+from distlion.comm.exchange import ServerRule
+from distlion.comm.message import Message
+from distlion.flat import FlatParams
+from distlion.methods.base import Method, StepContext
+from distlion.methods.step import BufferWorkers, StepBits, algorithm1_step
+
+
+@dataclass
+class BitsTally:
+    """A run's bits so far, in the two totals the results report:
+
+    cum_bits_per_param  bits one (average) worker sent and received, per parameter, summed over steps:
+                        the paper's x-axis (divided by the steps: bits per parameter per iteration)
+    total_bits          every bit that crossed the network, all N workers together
+    """
+
+    num_params: int
+    up: float = 0.0
+    """Uplink bits of the average worker, summed over steps."""
+    down: int = 0
+    """Downlink bits each worker received, summed over steps."""
+    cum_bits_per_param: float = 0.0
+    total_bits: int = 0
+    wire_bytes: int | None = None
+    """Bytes this process's collectives moved (torch.distributed only)."""
+
+    def add(self, bits: StepBits) -> dict[str, float]:
+        """Count one step; returns its metrics line fields."""
+        self.up += bits.mean_up
+        self.down += bits.down
+        self.cum_bits_per_param += bits.per_worker / self.num_params
+        self.total_bits += bits.total
+        record = {
+            "bits_up_per_param": bits.mean_up / self.num_params,
+            "bits_down_per_param": bits.down / self.num_params,
+            "cum_bits_per_param": self.cum_bits_per_param,
+            "total_bits": self.total_bits,
+        }
+        if bits.wire is not None:
+            self.wire_bytes = (self.wire_bytes or 0) + bits.wire.total
+            record["wire_bytes"] = bits.wire.total
+        return record
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Per-iteration averages and totals of a finished run of `steps` steps."""
+        out = {
+            "bits_up_per_param_per_iter": self.up / steps / self.num_params,
+            "bits_down_per_param_per_iter": self.down / steps / self.num_params,
+            "bits_per_param_per_iter": self.cum_bits_per_param / steps,
+            "cum_bits_per_param": self.cum_bits_per_param,
+            "total_bits": self.total_bits,
+        }
+        if self.wire_bytes is not None:
+            out["wire_bytes_per_step"] = self.wire_bytes / steps
+        return out
+
+
+def check_workers(num_workers: Any) -> int:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"cluster.workers={num_workers!r} must be >= 1, a whole number of workers")
+    return num_workers
+
+
+class Backend(ABC):
+    """Where workers run and how their messages meet (an `Exchanger`), and who writes results.
+
+    `num_workers` is N; `local_workers` the workers whose gradients, states and rules this process
+    runs (all N in one process, its own rank under torch.distributed); `is_main` whether this process
+    logs and writes results; `shard_suffix` names this process's checkpoint file.
+    """
+
+    num_workers: int
+    local_workers: list[int]
+    is_main: bool = True
+    shard_suffix: str = ""
+
+    @abstractmethod
+    def exchange(self, how: str, server_rule: ServerRule, messages: list[Message]) -> tuple[Message, list[int]]:
+        """The `Exchanger` contract: the local workers' uplinks -> (the downlink, uplink bits of all N)."""
+
+    @abstractmethod
+    def mean_loss(self, losses: torch.Tensor) -> float:
+        """Mean train loss over all N workers, given the local workers' losses."""
+
+    @property
+    def wire(self) -> WireBytes | None:
+        """Bytes this process's collectives moved so far (None without collectives)."""
+        return None
+
+    def begin(self, step: int) -> None:
+        """Called once, before the first step this process runs (e.g. to check all ranks agree on it)."""
+
+
+class Cluster:
+    """A method bound to each flat buffer (one per dtype) of the model, run by a backend.
+
+    The local workers share one parameter copy (`flat`); each keeps its own worker state.
+    """
+
+    def __init__(self, method: Method, flat: FlatParams, backend: Backend, seed: int = 0):
+        self.flat = flat
+        self.backend = backend
+        self.seed = seed
+        self.buffers: dict[torch.dtype, BufferWorkers] = {}
+        for dtype, buffer in flat.buffers.items():
+            bound = copy.deepcopy(method).bind(buffer, backend.num_workers, flat.layouts[dtype])
+            local = backend.local_workers
+            self.buffers[dtype] = BufferWorkers([bound] * len(local), [bound.init_worker_state() for _ in local])
+        self._started = False
+
+    @property
+    def num_workers(self) -> int:
+        return self.backend.num_workers
+
+    @property
+    def local_workers(self) -> list[int]:
+        return self.backend.local_workers
+
+    @property
+    def is_main(self) -> bool:
+        return self.backend.is_main
+
+    @property
+    def methods(self) -> dict[torch.dtype, Method]:
+        """The method instance bound to each buffer's (shared) parameters."""
+        return {dtype: local.methods[0] for dtype, local in self.buffers.items()}
+
+    @property
+    def worker_states(self) -> dict[torch.dtype, list[dict[str, torch.Tensor]]]:
+        """Each local worker's state, per buffer."""
+        return {dtype: local.states for dtype, local in self.buffers.items()}
+
+    def step(self, grads: dict[torch.dtype, torch.Tensor], step: int, lr: float, epoch: float = 0.0) -> StepBits:
+        """Apply one step given the local workers' flat gradients ({dtype: [local, numel]})."""
+        if not self._started:
+            self.backend.begin(step)
+            self._started = True
+        before = self.backend.wire
+        ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed)
+        bits = algorithm1_step(self.buffers, grads, ctx, self.backend)
+        if before is not None:
+            bits.wire = self.backend.wire - before
+        return bits
+
+    def mean_loss(self, losses: torch.Tensor) -> float:
+        return self.backend.mean_loss(losses)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated method state and the local workers' own states."""
+        return {
+            "workers": self.num_workers,
+            "local_workers": list(self.local_workers),
+            "methods": {str(d): m.state_dict() for d, m in self.methods.items()},
+            "worker_states": {str(d): local.states for d, local in self.buffers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = (state.get("workers"), state.get("local_workers"))
+        if saved != (self.num_workers, list(self.local_workers)):
+            raise ValueError(
+                f"the checkpoint holds workers {saved[1]} of {saved[0]}, this process runs workers "
+                f"{self.local_workers} of {self.num_workers}; resume with the same cluster.workers and ranks"
+            )
+        for dtype, local in self.buffers.items():
+            for method in local.appliers:
+                method.load_state_dict(state["methods"][str(dtype)])
+            local.states[:] = state["worker_states"][str(dtype)]

@@ -1,0 +1,61 @@
+"""Validation of a run's config: once, before anything is built, one line per bad setting.
+
+Settings that depend on the data (a per-worker batch larger than a worker's shard) or on the
+run's length (DGC's warm-up) are checked as soon as the data set and the step count are known,
+still before the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from distlion.cluster import BACKENDS
+from distlion.cluster.base import check_workers
+from distlion.cluster.grads import STRATEGIES
+from distlion.methods import build_method
+from distlion.methods.base import Method
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names it and says what to change."""
+
+
+def _whole(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be >= {minimum}, a whole number")
+
+
+def method_from_config(cfg: DictConfig) -> Method:
+    """The configured method, built: its registry entry checks the names, its constructor the values."""
+    settings = OmegaConf.to_container(cfg.method, resolve=True)
+    return build_method(settings.pop("name"), **settings)
+
+
+def validate(cfg: DictConfig) -> Method:
+    """Check every setting of `cfg`; returns the built method. Raises `ConfigError` (one line)."""
+    try:
+        method = method_from_config(cfg)
+        if cfg.cluster.backend not in BACKENDS:
+            raise ConfigError(f"cluster.backend={cfg.cluster.backend!r} is unknown; choose one of {BACKENDS}")
+        check_workers(cfg.cluster.workers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _whole("cluster.per_worker_batch", cfg.cluster.per_worker_batch, 1)
+    if cfg.cluster.grad_strategy not in STRATEGIES:
+        raise ConfigError(f"cluster.grad_strategy={cfg.cluster.grad_strategy!r} is unknown; "
+                          f"choose one of {sorted(STRATEGIES)}")
+    train = cfg.train
+    if train.steps is None and not (isinstance(train.epochs, int | float) and train.epochs > 0):
+        raise ConfigError(f"train.epochs={train.epochs!r} must be > 0 (or set train.steps)")
+    _whole("train.steps", train.steps, 1, optional=True)
+    _whole("train.eval_every", train.eval_every, 1, optional=True)
+    _whole("train.num_evals", train.num_evals, 1)
+    _whole("train.log_every", train.log_every, 1)
+    _whole("train.checkpoint_every", train.checkpoint_every, 0)
+    _whole("train.threads", train.get("threads"), 1, optional=True)
+    _whole("schedule.warmup_steps", cfg.schedule.warmup_steps, 0)
+    return method

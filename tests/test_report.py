@@ -1,0 +1,146 @@
+"""The report on hand-written run folders (no training): the tasks' declared metrics reach the tables and
+CSV, old summaries still report, every swept setting gets its own legend entry and look, and method
+labels come from the method registry."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+import distlion.report as report
+from distlion.tasks import task_metrics
+
+
+def write_run(root: Path, method: str = "lion", workers: int = 2, per_worker_batch: int = 16, seed: int = 0,
+              lr: float = 1e-3, task: str = "digits", new_style: bool = True, **values: float) -> dict:
+    """A finished run folder: summary.json as train.py writes it (`new_style`: with the config name and the
+    declared metrics; else the class name and no metrics, as older summaries), and a metrics.jsonl curve."""
+    metrics = task_metrics(task)
+    values = {m.key: 0.5 for m in metrics} | values
+    steps = 64 // workers  # a fixed epoch count: the steps follow from the workers
+    summary = {
+        "method": method,
+        **{f"method.{k}": v for k, v in {"aggregation": "avg", "betas": [0.9, 0.99]}.items() if method == "dlion"},
+        "lr": lr, "workers": workers, "per_worker_batch": per_worker_batch, "global_batch": workers * per_worker_batch,
+        "task": task, "seed": seed, "steps": steps, "epochs": 2.0, "num_params": 1000, **values,
+        "metric": metrics[0].key, "bits_up_per_param_per_iter": 32.0, "bits_down_per_param_per_iter": 32.0,
+        "bits_per_param_per_iter": 64.0, "cum_bits_per_param": 64.0 * steps, "total_bits": 64_000 * steps,
+        "wall_time": 60.0, "config_hash": "0", "git_sha": "0",
+    }
+    if new_style:
+        summary["metrics"] = [dataclasses.asdict(m) for m in metrics]
+    else:
+        summary["task"] = {"shakespeare": "LanguageModelTask", "digits": "DigitsTask"}[task]
+    run_dir = root / f"{method}-{workers}-{per_worker_batch}-{lr}-{seed}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    curve = [{"step": s, "epoch": s / steps * 2, "train_loss": 2.0 / s, "cum_bits_per_param": 64.0 * s,
+              **({k: v for k, v in values.items()} if s % 4 == 0 else {})} for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in curve))
+    return summary
+
+
+def rows(path: Path) -> list[dict]:
+    return list(csv.DictReader(path.open()))
+
+
+def table_row(markdown: str, start: str) -> str:
+    return next(line for line in markdown.splitlines() if line.startswith(start))
+
+
+@pytest.mark.parametrize(("task", "extra", "display", "shown"), [
+    ("imagenet", "eval_top5", "validation top-5 (%)", "81.25"),
+    ("shakespeare", "eval_perplexity", "validation perplexity", "0.8125"),
+])
+def test_a_tasks_extra_metric_reaches_the_csv_and_the_table(tmp_path, task, extra, display, shown):
+    assert extra not in Path(report.__file__).read_text()  # the report knows it only from the task's declaration
+    write_run(tmp_path / "runs", task=task, **{extra: 0.8125})
+    report.write_report(tmp_path / "runs", tmp_path / "out")
+    (row,) = rows(tmp_path / "out" / "runs.csv")
+    assert float(row[extra]) == 0.8125
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    header = table_row(markdown, "| method | workers |").split(" | ")
+    cells = table_row(markdown, "| G-Lion | 2 | 16 |").split(" | ")
+    assert cells[header.index(display)] == shown
+    assert f"on the {task_metrics(task)[0].split} split" in markdown
+
+
+def test_an_old_summary_reports_with_its_classs_headline_and_a_readable_task(tmp_path):
+    write_run(tmp_path / "runs", method="dlion", task="shakespeare", new_style=False, eval_loss=4.25,
+              eval_perplexity=70.1, unigram_entropy=5.75)
+    report.write_report(tmp_path / "runs", tmp_path / "out")
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "runs of task language model" in markdown and "LanguageModelTask" not in markdown
+    header = table_row(markdown, "| method | workers |").split(" | ")
+    assert header[3:5] == ["validation loss (nats/token)", "validation perplexity"]  # the headline first
+    assert table_row(markdown, "| D-Lion (Avg) | 2 | 16 |").startswith("| D-Lion (Avg) | 2 | 16 | 4.2500 | 70.1000 |")
+    assert "unigram entropy" not in header  # a reference: written under the table, not a score column
+    assert "the unigram entropy of the tokenizer's training data, 5.750 nats/token" in markdown
+    assert rows(tmp_path / "out" / "runs.csv")[0]["task"] == "language model"
+
+
+def test_the_method_label_comes_from_the_registry(tmp_path):
+    write_run(tmp_path / "runs", method="dlion")  # method.aggregation=avg
+    report.write_report(tmp_path / "runs", tmp_path / "out")
+    assert rows(tmp_path / "out" / "runs.csv")[0]["label"] == "D-Lion (Avg)"
+    assert "| D-Lion (Avg) | 2 | 16 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_workers_by_batch_sweep_shows_four_groups_each_in_its_own_style(tmp_path):
+    for workers in (2, 4):
+        for batch in (16, 32):
+            for seed in (0, 1):
+                write_run(tmp_path, workers=workers, per_worker_batch=batch, seed=seed,
+                          eval_accuracy=0.5 + workers / 100 + batch / 1000 + seed / 500)
+    runs = report.load_runs(tmp_path)
+    ax = report.plot_metric_curves(runs, tmp_path / "curves.png")
+    handles, labels = ax.get_legend_handles_labels()
+    assert labels == ["G-Lion, N=2, batch 16/worker", "G-Lion, N=2, batch 32/worker",
+                      "G-Lion, N=4, batch 16/worker", "G-Lion, N=4, batch 32/worker"]  # steps follow from N
+    styles = {(h.get_color(), h.get_linestyle(), h.get_marker()) for h in handles}
+    assert len(styles) == 4
+
+    ax = report.plot_metric_vs_workers(runs, tmp_path / "workers.png")
+    handles, labels = ax.get_legend_handles_labels()
+    assert labels == ["G-Lion, batch 16/worker", "G-Lion, batch 32/worker"]
+    for handle in handles:
+        xs = list(handle[0].get_xdata())
+        assert xs == sorted(set(xs)) == [2, 4]
+
+    # Mean ± std over the two seeds of each of the same four groups.
+    table = report.markdown_table(runs)
+    for workers in (2, 4):
+        for batch in (16, 32):
+            accs = [100 * (0.5 + workers / 100 + batch / 1000 + seed / 500) for seed in (0, 1)]
+            row = table_row(table, f"| G-Lion | {workers} | {batch} |")
+            assert f"| {statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f} |" in row
+            assert "| 2 |" in row  # n
+
+
+def test_a_swept_learning_rate_gets_a_column_and_a_legend_entry(tmp_path):
+    for lr in (1e-3, 3e-3):
+        write_run(tmp_path, lr=lr)
+    runs = report.load_runs(tmp_path)
+    header = table_row(report.markdown_table(runs), "| method |")
+    assert header.startswith("| method | workers | per-worker batch | lr |")
+    labels = report.plot_metric_vs_bits(runs, tmp_path / "bits.png").get_legend_handles_labels()[1]
+    assert labels == ["G-Lion, lr=0.001", "G-Lion, lr=0.003"]
+
+
+def test_tasks_with_other_metrics_cannot_share_a_table_and_with_the_same_ones_are_told_apart(tmp_path):
+    write_run(tmp_path / "mixed", task="digits")
+    write_run(tmp_path / "mixed", task="shakespeare", workers=4)
+    with pytest.raises(ValueError, match="declare different metrics"):
+        report.write_report(tmp_path / "mixed", tmp_path / "out")
+    # An old and a new summary of the same kind of task: the same columns, two groups.
+    write_run(tmp_path / "lm", task="shakespeare", new_style=False)
+    write_run(tmp_path / "lm", task="shakespeare", seed=1)
+    ax = report.plot_metric_curves(report.load_runs(tmp_path / "lm"), tmp_path / "curves.png")
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["G-Lion, task=language model", "G-Lion, task=shakespeare",
+                      "unigram entropy of the tokenizer's training data: 0.500"]  # the reference line
