@@ -1,4 +1,5 @@
-"""(a) One simulated D-Lion step for N=8 workers against 8 timm Lion steps, 10M parameters."""
+"""(a) One simulated D-Lion step for N=8 workers against 8 timm Lion steps, 10M parameters; and the
+non-finite gradient check every step makes, as a fraction of that step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from timm.optim import Lion
 
 from distlion.comm.exchange import InProcessExchange
 from distlion.methods import StepContext, build_method
-from distlion.methods.step import BufferWorkers, algorithm1_step
+from distlion.methods.step import BufferWorkers, algorithm1_step, nonfinite_workers
 
 NUMEL = 10_000_000
 WORKERS = 8
@@ -56,13 +57,23 @@ def _run(repeats: int) -> list[dict]:
         for opt in optimizers:
             opt.step()
 
-    dlion_step(), lion_steps()  # warm-up
-    ours, theirs = [], []
+    def finite_check():
+        nonfinite_workers(local, {grads.dtype: grads}, exchange.local_workers)
+
+    dlion_step(), lion_steps(), finite_check()  # warm-up
+    ours, theirs, checks = [], [], []
     for _ in range(repeats):
         ours += _time(dlion_step, 1)
         theirs += _time(lion_steps, 1)
+        checks += _time(finite_check, 1)
     ratio = statistics.median(ours) / statistics.median(theirs)
+    check = statistics.median(checks) / statistics.median(ours)
     return [{
+        "name": "(a) non-finite gradient check of 8 workers, fraction of the dlion step above (included in it)",
+        "value": check, "unit": "x time", "target": None,
+        "detail": f"check {statistics.median(checks) * 1e3:.0f} ms: one sum per worker's 10M gradient "
+                  f"(median of {repeats}, interleaved, {torch.get_num_threads()} thread)",
+    }, {
         "name": "(a) simulated dlion MaVo step, N=8, vs 8 timm Lion steps (10M params)",
         "value": ratio, "unit": "x time", "target": "<= 1.0",
         "detail": f"dlion {statistics.median(ours) * 1e3:.0f} ms vs Lion {statistics.median(theirs) * 1e3:.0f} ms "

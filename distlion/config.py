@@ -16,6 +16,9 @@ from distlion.cluster.base import check_workers
 from distlion.cluster.grads import STRATEGIES
 from distlion.methods import build_method
 from distlion.methods.base import Method
+from distlion.methods.step import NONFINITE_POLICIES
+
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -58,4 +61,10 @@ def validate(cfg: DictConfig) -> Method:
     _whole("train.checkpoint_every", train.checkpoint_every, 0)
     _whole("train.threads", train.get("threads"), 1, optional=True)
     _whole("schedule.warmup_steps", cfg.schedule.warmup_steps, 0)
+    if train.dtype not in PARAM_DTYPES:
+        raise ConfigError(f"train.dtype={train.dtype!r} is unknown; choose one of {PARAM_DTYPES}")
+    if not isinstance(train.master_weights, bool):
+        raise ConfigError(f"train.master_weights={train.master_weights!r} must be true or false")
+    if train.nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.nonfinite={train.nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
     return method

@@ -34,6 +34,9 @@ class Segment:
 
 Layout = list[Segment]
 
+#: Parameter dtypes whose rounding step near 1 (2^-8 for bf16) swallows small updates.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 
 class FlatParams:
     """Re-homes a module's trainable parameters into one flat buffer per dtype.

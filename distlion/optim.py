@@ -16,6 +16,7 @@ as a world of one, where it is Lion (timm's, up to the sign(0) tie rule).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,21 +25,35 @@ import torch.distributed as dist
 
 from distlion.comm.collectives import Collectives, WireBytes
 from distlion.comm.exchange import CollectiveExchange
+from distlion.flat import LOW_PRECISION, Segment
 from distlion.methods.base import StepContext
 from distlion.methods.dlion import DLion
-from distlion.methods.step import BufferWorkers, algorithm1_step
+from distlion.methods.step import NONFINITE_POLICIES, BufferWorkers, algorithm1_step
 
 
 class DistributedLion(torch.optim.Optimizer):
     """Distributed Lion over `process_group` (the default group; one process when none is initialized).
 
     Every rank must construct it over the same parameters in the same order. Parameters are
-    exchanged per param group and per (device, dtype) as one flat buffer; a parameter without a
-    gradient on this rank counts as a zero gradient, so every rank sends the same number of bits.
-    `lr`, `betas` and `weight_decay` are read from the param groups at every step, so a learning-rate
-    scheduler reaches them. Momentum ("exp_avg") is per rank: every rank saves its own state_dict.
+    exchanged per param group and per (device, dtype) as one flat buffer. `lr`, `betas` and
+    `weight_decay` are read from the param groups at every step, so a learning-rate scheduler
+    reaches them. Momentum ("exp_avg") is per rank: every rank saves its own state_dict.
     `zero_sign` and `mavo_tie` are the tie rules of `DLion`. `wire` counts the bytes this rank's
     collectives moved.
+
+    Parameters without a gradient follow torch's convention: one whose `grad` is None on every rank
+    is left untouched (no decay, no tie move, no momentum update). One that has a gradient on some
+    ranks only counts as a zero gradient on the others (its momentum decays there), so that every
+    rank applies the same vote; the ranks agree on this with one small all-reduce of a flag per
+    parameter each step.
+
+    `nonfinite`: a NaN/inf gradient raises ("error", naming the step, rank and parameter) or skips
+    the step on every rank ("skip", counted in `skipped_steps`). `master_weights=True` keeps an fp32
+    copy of bf16/fp16 parameters (state "master") and steps it: a Lion-type update of 1e-4 on a bf16
+    weight near 1 is below its rounding step and would be lost every step.
+
+    A copy (`copy.deepcopy`, pickle) keeps every setting and the state; it runs over the default
+    process group.
     """
 
     def __init__(
@@ -51,14 +66,39 @@ class DistributedLion(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         zero_sign: str = "alternate",
         mavo_tie: str = "alternate",
+        nonfinite: str = "error",
+        master_weights: bool = False,
     ):
-        # DLion validates the settings; one instance per bucket is rebound at every step.
-        self._rule = DLion(lr, betas, weight_decay, aggregation, zero_sign, mavo_tie)
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
-        self.aggregation = aggregation
+        DLion(lr, betas, weight_decay, aggregation, zero_sign, mavo_tie)  # validates the settings
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "aggregation": aggregation,
+                    "zero_sign": zero_sign, "mavo_tie": mavo_tie, "nonfinite": nonfinite,
+                    "master_weights": master_weights}
+        super().__init__(params, defaults)
         self.process_group = process_group
+        self._init_runtime()
+        low = [p.dtype for g in self.param_groups if not g["master_weights"] for p in g["params"]
+               if p.dtype in LOW_PRECISION]
+        if low:
+            warnings.warn(f"DistributedLion: {low[0]} parameters lose updates below their rounding step (an lr of "
+                          "1e-4 on a weight near 1 in bf16 is lost every step); pass master_weights=True",
+                          stacklevel=2)
+
+    def _init_runtime(self) -> None:
+        """What is rebuilt rather than copied: the collectives and the flat momentum buffers."""
         self._comm: Collectives | None = None
         self._momenta: dict[tuple[int, ...], torch.Tensor] = {}
+        self.skipped_steps = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps defaults, state and param_groups; the process group handle cannot be copied.
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group = None
+        self._init_runtime()
 
     @property
     def comm(self) -> Collectives:
@@ -78,15 +118,29 @@ class DistributedLion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if any(p.grad is not None and p.grad.is_sparse for p in params):
+                raise RuntimeError("DistributedLion does not support sparse gradients")
             buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.requires_grad:
-                    buckets.setdefault((p.device, p.dtype), []).append(p)
+            for p, used in zip(params, self._used_on_any_rank(params), strict=True):
+                if used:
+                    buckets.setdefault((p.device, self._working_dtype(group, p)), []).append(p)
             for params in buckets.values():
                 self._step_bucket(group, params)
         return loss
 
-    def _flat_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
+    def _used_on_any_rank(self, params: list[torch.Tensor]) -> list[bool]:
+        """Whether each parameter has a gradient on at least one rank (a MAX all-reduce of flags)."""
+        if not params:
+            return []
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+        return [bool(f) for f in self.comm.all_reduce(flags, op="max").tolist()]
+
+    @staticmethod
+    def _working_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype:
+        return torch.float32 if group["master_weights"] and p.dtype in LOW_PRECISION else p.dtype
+
+    def _flat_momentum(self, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The bucket's momenta as one flat buffer whose slices are the params' state["exp_avg"].
 
         Rebuilt (copying any existing momenta) at the first step and after `load_state_dict`.
@@ -101,7 +155,7 @@ class DistributedLion(torch.optim.Optimizer):
             for p, start in zip(params, offsets, strict=False)
         )
         if not linked:
-            flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+            flat = torch.zeros(offsets[-1], dtype=dtype, device=params[0].device)
             for p, start, stop in zip(params, offsets, offsets[1:], strict=False):
                 old = self.state[p].get("exp_avg")
                 if old is not None:
@@ -110,24 +164,39 @@ class DistributedLion(torch.optim.Optimizer):
             self._momenta[key] = flat
         return flat
 
+    def _weights(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """The tensor the update applies to: the fp32 master copy of a low-precision parameter, or the parameter."""
+        if self._working_dtype(group, p) == p.dtype:
+            return p.detach()
+        state = self.state[p]
+        if "master" not in state:
+            state["master"] = p.detach().to(torch.float32)
+        return state["master"]
+
     def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        if any(p.grad is not None and p.grad.is_sparse for p in params):
-            raise RuntimeError("DistributedLion does not support sparse gradients")
         comm = self.comm
-        momentum = self._flat_momentum(params)
-        first = self.state[params[0]]
-        step = int(first.get("step", 0))
-        x = torch.cat([p.detach().reshape(-1) for p in params])
-        grad = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params])
-        rule = self._rule
-        rule.betas = tuple(float(b) for b in group["betas"])
-        rule.weight_decay = float(group["weight_decay"])
-        rule.bind(x, comm.world_size)
+        weights = [self._weights(group, p) for p in params]
+        dtype = weights[0].dtype
+        momentum = self._flat_momentum(params, dtype)
+        step = int(self.state[params[0]].get("step", 0))
+        x = torch.cat([w.reshape(-1) for w in weights])
+        grad = torch.cat([(torch.zeros_like(w) if p.grad is None else p.grad.to(dtype)).reshape(-1)
+                          for p, w in zip(params, weights, strict=True)])
+        index = {id(q): i for i, q in enumerate(group["params"])}
+        layout, offset = [], 0
+        for p in params:  # names for error messages: the parameter's place in its group
+            layout.append(Segment(f"parameter {index[id(p)]} of its param group", offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        rule = DLion(float(group["lr"]), group["betas"], group["weight_decay"], group["aggregation"],
+                     group["zero_sign"], group["mavo_tie"]).bind(x, comm.world_size, layout)
         ctx = StepContext(step=step, lr=float(group["lr"]), num_workers=comm.world_size)
         local = BufferWorkers([rule], [{"momentum": momentum}])
-        algorithm1_step({x.dtype: local}, {x.dtype: grad[None]}, ctx, CollectiveExchange(comm))
+        bits = algorithm1_step({dtype: local}, {dtype: grad[None]}, ctx, CollectiveExchange(comm), group["nonfinite"])
+        if bits.skipped:
+            self.skipped_steps += 1
+            return
         for p, new in zip(params, x.split([p.numel() for p in params]), strict=True):
-            p.copy_(new.view_as(p))
-        rule.params = None  # no reference to the step's temporary buffer
-        for p in params:
+            if "master" in self.state[p]:
+                self.state[p]["master"].copy_(new.view_as(p))
+            p.copy_(new.view_as(p))  # rounds to a low-precision parameter's dtype
             self.state[p]["step"] = step + 1

@@ -25,6 +25,7 @@ from typing import Any
 import matplotlib
 from omegaconf import OmegaConf
 
+from distlion.cli import read_failures
 from distlion.methods import label_order, method_label
 from distlion.tasks import Metric, task_metrics, task_name
 
@@ -369,6 +370,12 @@ def _intro(runs: list[Run]) -> str:
             f"evaluation at the end of training: {splits}. Bits are counted from the messages each method built.\n")
 
 
+def failures_list(failures: list[dict[str, Any]]) -> str:
+    """The failed runs (not in the tables), each with its one-line reason."""
+    lines = [f"- `{Path(f['run_dir']).name}`: {f['reason']}" for f in failures]
+    return f"**{len(failures)} failed run(s)**, not in the tables below:\n\n" + "\n".join(lines) + "\n"
+
+
 def write_report(
     root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None
 ) -> list[Run]:
@@ -381,6 +388,9 @@ def write_report(
     if command:
         parts.append(f"Produced by:\n\n```\n{command}\n```\n")
     parts.append(_intro(runs))
+    failures = read_failures(root)
+    if failures:
+        parts.append(failures_list(failures))
     if columns:
         parts.append(pivot_table(runs, columns))
     parts.append(markdown_table(runs))

@@ -11,7 +11,10 @@ import fcntl
 import hashlib
 import json
 import os
+import pickle
 import subprocess
+import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,8 +24,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that change where or how a run is reported, not what it computes.
+# train.nonfinite: a run that finished under "error" had no non-finite gradient, so it is the same run
+# under "skip" (a run that skipped steps says so in its summary).
 _NOT_HASHED = ("logger", "experiment", "task.name", "train.progress", "train.log_every",
-               "train.checkpoint_every", "train.threads")
+               "train.checkpoint_every", "train.threads", "train.nonfinite")
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -32,7 +37,12 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
 def config_hash(cfg: DictConfig) -> str:
     """A hash of everything that determines the run's numbers."""
     config = resolved_config(cfg)
-    for dotted in _NOT_HASHED:
+    not_hashed = list(_NOT_HASHED)
+    # Settings added after runs were made count only when they change what those runs computed, so
+    # a finished fp32 run keeps its hash (master weights only matter below fp32).
+    if config.get("train", {}).get("dtype", "float32") == "float32":
+        not_hashed += ["train.dtype", "train.master_weights"]
+    for dotted in not_hashed:
         *parents, leaf = dotted.split(".")
         node = config
         for key in parents:
@@ -45,17 +55,37 @@ def config_hash(cfg: DictConfig) -> str:
 def exclusive_run_dir(run_dir: Path) -> Iterator[None]:
     """Hold `run_dir`'s lock (one per torchrun rank) so that two processes never write one run.
 
-    An flock is released by the kernel when its process dies, so a killed run never leaves it behind.
+    An flock is released by the kernel when its process dies, so a killed run never leaves it held. The
+    lock file is removed when the run ends, by its holder only, while still holding it; a process that
+    locks a file its holder removed meanwhile sees that the path no longer names that file and tries again.
     """
-    with (run_dir / f".lock{os.environ.get('RANK', '')}").open("a") as lock:
+    path = run_dir / f".lock{os.environ.get('RANK', '')}"
+    while True:
+        lock = path.open("a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            lock.close()
             raise RunDirBusy(
                 f"{run_dir} is being written by another process (a second copy of this run or sweep?); "
                 "wait for it to finish or stop it, then rerun"
             ) from None
+        if _names(path, lock):
+            break
+        lock.close()
+    try:
         yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.close()
+
+
+def _names(path: Path, file: IO[str]) -> bool:
+    """Whether `path` still names the open `file` (not removed, nor replaced by a new file)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 class RunDirBusy(ValueError):
@@ -65,12 +95,6 @@ class RunDirBusy(ValueError):
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
@@ -95,11 +119,16 @@ class RunDirConflict(ValueError):
     """The run directory holds results or a checkpoint of another config."""
 
 
+class CheckpointUnreadable(ValueError):
+    """No checkpoint of the run can be read (truncated, empty, or holding more than tensors and plain data)."""
+
+
 class RunDir:
     """One run's directory for the config whose hash is `config_hash`.
 
     Files: config.yaml, metrics.jsonl and summary.json (written by the main process only),
-    checkpoint<suffix>.pt (one per process: `suffix` is the backend's `shard_suffix`), .lock<RANK>.
+    checkpoint<suffix>.pt and the previous checkpoint<suffix>.prev.pt (one per process: `suffix` is the backend's
+    `shard_suffix`), .lock<RANK> while a process holds the run.
     """
 
     def __init__(self, path: str | Path, config_hash: str):
@@ -129,21 +158,56 @@ class RunDir:
     def checkpoint_path(self, suffix: str) -> Path:
         return self.path / f"checkpoint{suffix}.pt"
 
-    def save_checkpoint(self, suffix: str, state: dict[str, Any]) -> None:
-        atomic_torch_save({"config_hash": self.config_hash, **state}, self.checkpoint_path(suffix))
+    def previous_checkpoint_path(self, suffix: str) -> Path:
+        return self.path / f"checkpoint{suffix}.prev.pt"
 
-    def load_checkpoint(self, suffix: str) -> dict[str, Any] | None:
-        """The checkpoint this process wrote, if any; one of another config is refused."""
+    def save_checkpoint(self, suffix: str, state: dict[str, Any]) -> None:
+        """Write the checkpoint atomically; the one it replaces is kept as the previous one, should the new one
+        turn out unreadable (a disk that lost the last write)."""
         path = self.checkpoint_path(suffix)
-        if not path.exists():
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as file:
+            torch.save({"config_hash": self.config_hash, **state}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        if path.exists():
+            os.replace(path, self.previous_checkpoint_path(suffix))
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, suffix: str, at_most: int | None = None) -> dict[str, Any] | None:
+        """The checkpoint this process wrote, if any: the latest, or the previous one when the latest is
+        unreadable (said in one line) or past step `at_most`; one of another config is refused."""
+        latest, previous = self.checkpoint_path(suffix), self.previous_checkpoint_path(suffix)
+        errors: dict[Path, str] = {}
+        for path in (latest, previous):
+            if not path.exists():
+                continue
+            try:
+                checkpoint = _read_checkpoint(path)
+            except CheckpointUnreadable as err:
+                errors[path] = str(err)
+                continue
+            if at_most is not None and checkpoint["step"] > at_most:
+                continue
+            if checkpoint["config_hash"] != self.config_hash:
+                raise RunDirConflict(
+                    f"{path} was written by another config (hash {checkpoint['config_hash']} != "
+                    f"{self.config_hash}); rerun with the original settings, or delete the checkpoint to start over"
+                )
+            if latest in errors:
+                # Gone, so that the next checkpoint does not push this good one out as "previous".
+                latest.unlink()
+                print(f"distlion: checkpoint {latest} is unreadable ({errors[latest]}); removed it, resuming from "
+                      f"the previous one at step {checkpoint['step']}", file=sys.stderr)
+            return checkpoint
+        if not errors:
             return None
-        checkpoint = torch.load(path, weights_only=False)
-        if checkpoint["config_hash"] != self.config_hash:
-            raise RunDirConflict(
-                f"{path} was written by another config (hash {checkpoint['config_hash']} != {self.config_hash}); "
-                "rerun with the original settings, or delete the checkpoint to start over"
-            )
-        return checkpoint
+        paths = " and ".join(str(p) for p in errors)
+        raise CheckpointUnreadable(
+            f"checkpoint {paths} {'is' if len(errors) == 1 else 'are'} unreadable ({'; '.join(errors.values())}) "
+            f"and no readable previous one is left; delete {'it' if len(errors) == 1 else 'them'} to start the "
+            "run over"
+        )
 
     def open_metrics(self, resumed_step: int) -> IO[str]:
         """metrics.jsonl for appending, without the lines a run resumed at `resumed_step` will write again."""
@@ -161,4 +225,34 @@ class RunDir:
 
     def remove_checkpoint(self, suffix: str) -> None:
         """A finished run needs no checkpoint."""
-        self.checkpoint_path(suffix).unlink(missing_ok=True)
+        latest = self.checkpoint_path(suffix)
+        for path in (latest, latest.with_name(latest.name + ".tmp"), self.previous_checkpoint_path(suffix)):
+            path.unlink(missing_ok=True)
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents. Only tensors and plain data are unpickled (weights_only), so a file
+    tampered with in a shared run directory cannot run code."""
+    try:
+        with warnings.catch_warnings():  # e.g. torch's pickle-protocol notice: the reason says what matters
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, weights_only=True)
+    except Exception as err:  # a damaged file fails in many ways: EOFError, RuntimeError, OSError, KeyError...
+        raise CheckpointUnreadable(_reason(err)) from err
+    if not isinstance(checkpoint, dict) or not {"config_hash", "step"} <= checkpoint.keys():
+        raise CheckpointUnreadable("not a distlion checkpoint")
+    return checkpoint
+
+
+_TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
+def _reason(err: Exception) -> str:
+    """`err` in a few words: its type and the first sentence that says what is wrong."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if isinstance(err, pickle.UnpicklingError):
+        # torch's weights-only refusal wraps its reason in advice, e.g. to load with weights_only=False: the one
+        # thing not to do with a file that may have been tampered with.
+        lines = [line for line in lines if not line.startswith(_TORCH_ADVICE)] or lines
+    sentence = lines[0].split(". ")[0].rstrip(".")[:200] if lines else ""
+    return f"{type(err).__name__}: {sentence}" if sentence else type(err).__name__

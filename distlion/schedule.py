@@ -19,6 +19,9 @@ class LRSchedule:
     ):
         if name not in ("cosine", "constant"):
             raise ValueError(f"schedule.name={name!r} is unknown; choose 'cosine' or 'constant'")
+        if warmup_steps > total_steps:
+            raise ValueError(f"schedule.warmup_steps={warmup_steps} is longer than the run ({total_steps} steps); "
+                             "lower it or train longer")
         self._carrier = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
         self._scheduler = CosineLRScheduler(
             self._carrier,

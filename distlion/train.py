@@ -8,6 +8,7 @@ owns skipping, refusing, checkpoints and resuming; `distlion.config.validate` ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -25,6 +26,7 @@ from omegaconf import DictConfig
 from torch import nn
 from tqdm import tqdm
 
+from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
 from distlion.cluster.grads import worker_grads
@@ -61,9 +63,21 @@ def build_run(cfg: DictConfig, method: Method) -> Run:
     torch.manual_seed(cfg.seed)
     model = task.build_model()
     model.train()
+    dtype = getattr(torch, cfg.train.dtype)
+    if dtype != torch.float32:
+        model.to(dtype)
+        # Floating inputs (images) follow the parameters; token ids stay integers.
+        model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=dtype), with_kwargs=True)
     flat = FlatParams(model)
-    cluster = build_cluster(cfg.cluster, method, flat, cfg.seed)
+    cluster = build_cluster(cfg.cluster, method, flat, cfg.seed, cfg.train.nonfinite, cfg.train.master_weights)
     return Run(task, model, flat, cluster, sampler, method, steps)
+
+
+def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
 def worker_batches(task: Task, sampler: ShardedSampler, workers: list[int], step: int, seed: int):
@@ -101,7 +115,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     workers, suffix = cfg.cluster.workers, cluster.backend.shard_suffix
 
     start_step, wall_time, bits = 0, 0.0, BitsTally(flat.numel)
-    checkpoint = directory.load_checkpoint(suffix)
+    checkpoint = _agreed_checkpoint(directory, suffix, cluster)
     if checkpoint is not None:
         start_step, wall_time, bits = _restore(checkpoint, flat, cluster)
         print(f"distlion: resuming {directory.path} from step {start_step}", file=sys.stderr)
@@ -125,7 +139,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
                                               len(cluster.local_workers))
                 loss = cluster.mean_loss(losses)
-                if not math.isfinite(loss):
+                if not math.isfinite(loss) and cfg.train.nonfinite == "error":
                     raise FloatingPointError(
                         f"train loss is {loss} at step {step}; lower method.lr (now {method.lr}) or check the data"
                     )
@@ -185,6 +199,22 @@ def params_digest(flat: FlatParams) -> str:
     return digest.hexdigest()
 
 
+def _agreed_checkpoint(directory: RunDir, suffix: str, cluster: Cluster) -> dict[str, Any] | None:
+    """This process's checkpoint at the step all processes can resume at (their earliest latest checkpoint;
+    a process that is ahead falls back to its previous one)."""
+    checkpoint = directory.load_checkpoint(suffix)
+    mine = checkpoint["step"] if checkpoint is not None else 0
+    agreed = cluster.backend.agree_start(mine)
+    if agreed != mine:
+        checkpoint = directory.load_checkpoint(suffix, at_most=agreed) if agreed else None
+        if (checkpoint["step"] if checkpoint is not None else 0) != agreed:
+            raise ValueError(
+                f"the ranks cannot resume at one step: {directory.checkpoint_path(suffix).name} is at step {mine} and "
+                f"another rank's latest at {agreed}; delete the run directory's checkpoint*.pt files to start over"
+            )
+    return checkpoint
+
+
 def _checkpoint(step: int, wall_time: float, bits: BitsTally, flat: FlatParams, cluster: Cluster) -> dict[str, Any]:
     """What resuming at `step` needs: the parameters, the cluster's states, the bit counts, torch's RNG."""
     return {
@@ -206,14 +236,16 @@ def _restore(checkpoint: dict[str, Any], flat: FlatParams, cluster: Cluster) -> 
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
-    """Console entry point (`distlion-train`). A bad setting prints one line, not a traceback."""
-    try:
-        summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except (ValueError, FloatingPointError) as err:
-        print(f"distlion: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    return summary.get(summary["metric"])
+def hydra_task(cfg: DictConfig) -> float | None:
+    """One run, or one point of a sweep: `distlion.cli.run_point` says what a bad setting does."""
+    summary = run_point(run, cfg)
+    return None if summary is None else summary.get(summary["metric"])
+
+
+def main() -> None:
+    """Console entry point (`distlion-train`). A bad setting prints one `distlion: error:` line first, not a
+    traceback; a sweep runs every point, records the failed ones and exits 1 at the end if any failed."""
+    run_app(hydra_task)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -11,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from distlion.runio import RunDir
 from distlion.train import run
 
 STEPS = ["train.steps=60", "train.checkpoint_every=10", "train.log_every=5", "train.eval_every=30"]
@@ -68,3 +71,55 @@ def test_checkpoint_from_another_config_is_refused(make_cfg, tmp_path):
     process.wait()
     with pytest.raises(ValueError, match="was written by another config"):
         run(make_cfg(*STEPS, "method.lr=0.01"), tmp_path)
+
+
+class Crash(Exception):
+    """The process dying right after a checkpoint."""
+
+
+@pytest.mark.parametrize("method", ["dlion", "adamw"])
+def test_an_unreadable_latest_checkpoint_resumes_from_the_previous_one_exactly(make_cfg, tmp_path, monkeypatch,
+                                                                               capsys, method):
+    cfg = make_cfg(f"method={method}", *STEPS)
+    reference = run(cfg, tmp_path / "reference")
+
+    save = RunDir.save_checkpoint
+
+    def save_then_crash_at_step_30(directory, suffix, state):
+        save(directory, suffix, state)
+        if state["step"] == 30:
+            raise Crash
+
+    crashed = tmp_path / "crashed"
+    with monkeypatch.context() as patch:
+        patch.setattr(RunDir, "save_checkpoint", save_then_crash_at_step_30)
+        with pytest.raises(Crash):
+            run(cfg, crashed)
+    assert last_step(crashed) == 30 and (crashed / "checkpoint.prev.pt").exists()
+    latest = crashed / "checkpoint.pt"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # the last write lost half its data
+
+    capsys.readouterr()
+    summary = run(cfg, crashed)
+    warning, resuming = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"distlion: checkpoint {latest} is unreadable (RuntimeError: PytorchStreamReader")
+    assert warning.endswith("resuming from the previous one at step 20")
+    assert resuming == f"distlion: resuming {crashed} from step 20"
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["total_bits"] == reference["total_bits"]
+    steps = [json.loads(line)["step"] for line in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 60  # the lines past step 20 were written once, again
+    assert not list(crashed.glob("checkpoint*")) and not list(crashed.glob(".lock*"))
+
+
+def test_cli_truncated_checkpoint_without_a_previous_one_is_one_error_line(tmp_path):
+    buffer = io.BytesIO()
+    torch.save({"step": 10, "params": {"x": torch.zeros(1000)}}, buffer)
+    (tmp_path / "checkpoint.pt").write_bytes(buffer.getvalue()[:500])
+    process = launch(tmp_path)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    (error,) = [line for line in stderr.splitlines() if line.startswith("distlion:")]
+    assert error == (f"distlion: error: checkpoint {tmp_path / 'checkpoint.pt'} is unreadable (RuntimeError: "
+                     "PytorchStreamReader failed reading zip archive: failed finding central directory) and no "
+                     "readable previous one is left; delete it to start the run over")

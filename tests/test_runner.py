@@ -115,3 +115,42 @@ fcntl.flock(f, fcntl.LOCK_EX)
 print("locked", flush=True)
 time.sleep(600)
 """
+
+
+def test_no_lock_file_is_left_when_a_run_finishes_is_skipped_refused_or_fails(make_cfg, tmp_path):
+    run(make_cfg("train.steps=3"), tmp_path / "run")
+    assert not list((tmp_path / "run").glob(".lock*"))
+    run(make_cfg("train.steps=3"), tmp_path / "run")
+    with pytest.raises(ValueError, match="holds a finished run of another config"):
+        run(make_cfg("train.steps=4"), tmp_path / "run")
+    assert not list((tmp_path / "run").glob(".lock*"))
+    with pytest.raises(FloatingPointError):
+        run(make_cfg("method=adamw", "method.lr=1e30", "train.steps=30", "schedule.name=constant"), tmp_path / "nan")
+    assert not list((tmp_path / "nan").glob(".lock*"))
+
+
+def snapshot(directory):
+    return {path.relative_to(directory): (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in directory.rglob("*") if path.is_file()}
+
+
+def test_cli_refusing_or_skipping_a_finished_run_writes_nothing_in_its_directory(make_cfg, tmp_path):
+    run(make_cfg("train.steps=3"), tmp_path)
+    before = snapshot(tmp_path)
+    assert {str(p) for p in before} == {"config.yaml", "metrics.jsonl", "summary.json"}
+
+    def cli(*overrides):
+        return subprocess.run(
+            [sys.executable, "-m", "distlion.train", "logger=none", "train.progress=false", *overrides,
+             f"hydra.run.dir={tmp_path}"],
+            capture_output=True, text=True, timeout=120,
+        )
+
+    refused = cli("method=adamw", "train.steps=3")
+    assert refused.returncode == 2
+    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("distlion:")]
+    assert error.startswith(f"distlion: error: {tmp_path} holds a finished run of another config")
+    assert snapshot(tmp_path) == before  # no .hydra/, job log, config.yaml or lock written
+    skipped = cli("train.steps=3")
+    assert skipped.returncode == 0 and "already holds this finished run; skipping it" in skipped.stderr
+    assert snapshot(tmp_path) == before

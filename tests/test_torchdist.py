@@ -39,6 +39,9 @@ METHODS = {
     "adamw": (["method=adamw"], "mean", False),
     "lion": (["method=lion"], "mean", False),
 }
+# A NaN in worker 1's gradient at step 3, skipped on every worker (train.nonfinite=skip).
+POISONED = {"name": "dlion_skip", "overrides": [*COMMON, "method=dlion", "train.nonfinite=skip"],
+            "poison": {"worker": 1, "step": 3}}
 TWO_RANKS = [*COMMON[:-2], "cluster.workers=2", "cluster.per_worker_batch=32", "method=dlion"]
 OPT_STEPS = 10
 JOB_LIMIT_S = 240  # every job is killed past this; on 2 busy cores a 4-rank start alone takes ~30 s
@@ -80,7 +83,7 @@ class Recorder:
     def __init__(self, cluster_cls):
         import distlion.train as train
 
-        self.flat, self.steps, self.fault = None, [], None
+        self.flat, self.steps, self.fault, self.poison = None, [], None, None
         self._train, self._build = train, train.build_run
         self._cls, self._step = cluster_cls, cluster_cls.step
         recorder = self
@@ -93,6 +96,10 @@ class Recorder:
         def step(cluster, grads, step, lr, epoch=0.0):
             if recorder.fault is not None:
                 recorder.fault(step)
+            if recorder.poison is not None and step == recorder.poison["step"]:
+                worker = recorder.poison["worker"]
+                if worker in cluster.local_workers:  # a NaN in this worker's gradient
+                    grads[torch.float32][cluster.local_workers.index(worker), 0] = float("nan")
             bits = recorder._step(cluster, grads, step, lr, epoch)
             wire = getattr(bits, "wire", None)
             recorder.steps.append({"up": bits.up, "down": bits.down, "sent": wire.sent if wire else None,
@@ -165,6 +172,7 @@ def jobs(tmp_path_factory):
     """All torchrun jobs, started at once; each test waits for its own."""
     tmp = tmp_path_factory.mktemp("torchdist")
     runs = [{"name": name, "overrides": [*COMMON, *overrides]} for name, (overrides, _, _) in METHODS.items()]
+    runs.append(POISONED)
     def faulty(kind: str, step: int, *overrides: str) -> dict:
         return {"runs": [{"name": "run", "overrides": [*TWO_RANKS, *overrides]}],
                 "fault": {"rank": 1, "step": step, "kind": kind}}
@@ -196,6 +204,9 @@ def simulated(tmp_path_factory):
             recorder.steps = []
             run(compose(*COMMON, *overrides), tmp / name)
             results[name] = (recorder.params(), recorder.steps)
+        recorder.steps, recorder.poison = [], POISONED["poison"]
+        run(compose(*POISONED["overrides"]), tmp / POISONED["name"])
+        results[POISONED["name"]] = (recorder.params(), recorder.steps)
     finally:
         recorder.restore()
         torch.set_num_threads(threads)
@@ -281,6 +292,20 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
                 assert 0 <= r["sent"] - sent < padding and 0 <= r["received"] - received < padding, r
 
 
+def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank(jobs, simulated):
+    out = jobs["main"].ok()
+    name = POISONED["name"]
+    expected_params, expected_steps = simulated[name]
+    got = torch.load(out / f"{name}.params.pt")
+    assert all(torch.equal(got[d], expected_params[d]) for d in expected_params)
+    assert (expected_steps[3]["up"], expected_steps[3]["down"]) == ([0] * RANKS, 0)
+    for rank in range(RANKS):
+        steps = json.loads((out / f"{name}.rank{rank}.json").read_text())
+        assert [(s["up"], s["down"]) for s in steps] == [(s["up"], s["down"]) for s in expected_steps]
+    summary = json.loads((out / name / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1
+
+
 def test_mavo_moves_one_bit_up_and_one_down_per_parameter(jobs):
     out = jobs["main"].ok()
     num_params = sum(json.loads((out / "layout.json").read_text()))
@@ -293,7 +318,12 @@ def test_mavo_moves_one_bit_up_and_one_down_per_parameter(jobs):
 # DistributedLion
 
 
-def optimizer_reference(aggregation: str, num_workers: int) -> list[torch.Tensor]:
+# The "partial" run: the last bias has no gradient on ranks 0 and 2 (a zero gradient there), and a
+# parameter in a group of its own has a gradient on no rank (left untouched).
+PARTIAL_PARAM, PARTIAL_RANKS = 5, (0, 2)
+
+
+def optimizer_reference(aggregation: str, num_workers: int, partial: bool = False) -> list[torch.Tensor]:
     """The simulated cluster's D-Lion, one flat buffer per param group, fed the ranks' gradients."""
     from distlion import Simulation
 
@@ -304,6 +334,9 @@ def optimizer_reference(aggregation: str, num_workers: int) -> list[torch.Tensor
                        weight_decay=group["weight_decay"], aggregation=aggregation) for group in groups]
     for step in range(OPT_STEPS):
         grads = [ternary_grads(model, rank, step) for rank in range(num_workers)]
+        if partial:
+            for rank in PARTIAL_RANKS:
+                grads[rank][PARTIAL_PARAM] = torch.zeros_like(grads[rank][PARTIAL_PARAM])
         for sim, group in zip(sims, groups, strict=True):
             sim.step([[g[index[id(p)]] for p in group["params"]] for g in grads])
     final = {}
@@ -316,17 +349,29 @@ def optimizer_reference(aggregation: str, num_workers: int) -> list[torch.Tensor
 @pytest.mark.parametrize("aggregation", ["mavo", "avg"])
 def test_distributed_lion_on_4_ranks_equals_the_simulated_cluster(jobs, aggregation):
     out = jobs["main"].ok()
-    got = torch.load(out / f"optimizer_{aggregation}.pt")
+    *got, _ = torch.load(out / f"optimizer_{aggregation}.pt")
     for p, q in zip(got, optimizer_reference(aggregation, RANKS), strict=True):
         assert torch.equal(p, q)
     wire = json.loads((out / f"optimizer_{aggregation}.rank1.json").read_text())
-    sizes = [sum(p.numel() for p in group["params"]) for group in param_groups(small_model())]
+    groups = param_groups(small_model())
+    sizes = [sum(p.numel() for p in group["params"]) for group in groups]
     planes = 2 if aggregation == "mavo" else 1 + 3
-    # Per group: (N - 1) word-aligned shards of ceil(n / 8) bytes per plane each way.
+    # Per group: (N - 1) word-aligned shards of ceil(n / 8) bytes per plane each way, and the all-reduce
+    # (ring: 2 (N - 1) / N) of one has-a-gradient flag byte per parameter.
     from distlion.comm.exchange import shard_bytes
 
     expected = sum((RANKS - 1) * shard_bytes((n + 7) // 8, RANKS) * planes for n in sizes)
+    expected += sum(2 * (RANKS - 1) * len(group["params"]) // RANKS for group in groups)
     assert all(w["sent"] == w["received"] == expected for w in wire)
+
+
+def test_distributed_lion_parameters_without_gradients_on_4_ranks(jobs):
+    """A gradient on some ranks only counts as zero on the others; one on no rank leaves the parameter alone."""
+    out = jobs["main"].ok()
+    *got, unused = torch.load(out / "optimizer_partial.pt")
+    for p, q in zip(got, optimizer_reference("mavo", RANKS, partial=True), strict=True):
+        assert torch.equal(p, q)
+    assert torch.equal(unused, torch.ones(3))
 
 
 def test_distributed_lion_in_one_process_equals_timm_lion():
@@ -523,7 +568,7 @@ def worker(spec_path: str) -> None:
 
     recorder.fault = inject if fault else None
     for item in spec["runs"]:
-        recorder.steps = []
+        recorder.steps, recorder.poison = [], item.get("poison")
         run(compose("cluster=torchdist", *item["overrides"]), out / item["name"])
         (out / f"{item['name']}.rank{rank}.json").write_text(json.dumps(recorder.steps))
         if rank == 0:
@@ -531,19 +576,24 @@ def worker(spec_path: str) -> None:
             layout = recorder.flat.layouts[torch.float32]
             (out / "layout.json").write_text(json.dumps([s.numel for s in layout]))
     if spec.get("optimizer"):
-        for aggregation in ("mavo", "avg"):
+        for aggregation in ("mavo", "avg", "partial"):
             model = small_model()
-            optimizer = DistributedLion(param_groups(model), lr=1e-3, aggregation=aggregation)
+            groups = param_groups(model)
+            unused = torch.nn.Parameter(torch.ones(3))
+            if aggregation == "partial":
+                groups.append({"params": [unused]})
+            optimizer = DistributedLion(groups, lr=1e-3, aggregation=aggregation.replace("partial", "mavo"))
             wire = []
             for step in range(OPT_STEPS):
-                for p, grad in zip(model.parameters(), ternary_grads(model, rank, step), strict=True):
-                    p.grad = grad
+                for i, (p, grad) in enumerate(zip(model.parameters(), ternary_grads(model, rank, step), strict=True)):
+                    partial = aggregation == "partial" and i == PARTIAL_PARAM and rank in PARTIAL_RANKS
+                    p.grad = None if partial else grad
                 before = optimizer.wire
                 optimizer.step()
                 wire.append((optimizer.wire - before).__dict__)
             (out / f"optimizer_{aggregation}.rank{rank}.json").write_text(json.dumps(wire))
             if rank == 0:
-                torch.save([p.detach() for p in model.parameters()], out / f"optimizer_{aggregation}.pt")
+                torch.save([p.detach() for p in [*model.parameters(), unused]], out / f"optimizer_{aggregation}.pt")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ from distlion.methods.base import Method
 BACKENDS = ("simulated", "torchdist")
 
 
-def build_cluster(cfg: Any, method: Method, flat: FlatParams, seed: int) -> Cluster:
-    """The backend named by `cluster.backend`."""
+def build_cluster(cfg: Any, method: Method, flat: FlatParams, seed: int, nonfinite: str = "error",
+                  master_weights: bool = False) -> Cluster:
+    """The backend named by `cluster.backend` (see `Cluster` for `nonfinite` and `master_weights`)."""
+    options = {"seed": seed, "nonfinite": nonfinite, "master_weights": master_weights}
     if cfg.backend == "simulated":
-        return SimulatedCluster(method, flat, cfg.workers, seed=seed)
+        return SimulatedCluster(method, flat, cfg.workers, **options)
     if cfg.backend == "torchdist":
-        return TorchDistCluster(method, flat, cfg.workers, seed=seed, dist_backend=cfg.dist_backend,
-                                timeout_s=cfg.timeout_s)
+        return TorchDistCluster(method, flat, cfg.workers, dist_backend=cfg.dist_backend, timeout_s=cfg.timeout_s,
+                                **options)
     raise ValueError(f"cluster.backend={cfg.backend!r} is unknown; choose one of {BACKENDS}")
 
 

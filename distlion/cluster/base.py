@@ -9,6 +9,7 @@ which process writes results, and the name of this process's checkpoint file.
 from __future__ import annotations
 
 import copy
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from distlion.comm.collectives import WireBytes
 from distlion.comm.exchange import ServerRule
 from distlion.comm.message import Message
-from distlion.flat import FlatParams
+from distlion.flat import LOW_PRECISION, FlatParams
 from distlion.methods.base import Method, StepContext
 from distlion.methods.step import BufferWorkers, StepBits, algorithm1_step
 
@@ -41,9 +42,12 @@ class BitsTally:
     total_bits: int = 0
     wire_bytes: int | None = None
     """Bytes this process's collectives moved (torch.distributed only)."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite gradient (they send nothing)."""
 
     def add(self, bits: StepBits) -> dict[str, float]:
         """Count one step; returns its metrics line fields."""
+        self.skipped_steps += bits.skipped
         self.up += bits.mean_up
         self.down += bits.down
         self.cum_bits_per_param += bits.per_worker / self.num_params
@@ -53,6 +57,7 @@ class BitsTally:
             "bits_down_per_param": bits.down / self.num_params,
             "cum_bits_per_param": self.cum_bits_per_param,
             "total_bits": self.total_bits,
+            "skipped_steps": self.skipped_steps,
         }
         if bits.wire is not None:
             self.wire_bytes = (self.wire_bytes or 0) + bits.wire.total
@@ -67,6 +72,7 @@ class BitsTally:
             "bits_per_param_per_iter": self.cum_bits_per_param / steps,
             "cum_bits_per_param": self.cum_bits_per_param,
             "total_bits": self.total_bits,
+            "skipped_steps": self.skipped_steps,
         }
         if self.wire_bytes is not None:
             out["wire_bytes_per_step"] = self.wire_bytes / steps
@@ -105,26 +111,39 @@ class Backend(ABC):
         """Bytes this process's collectives moved so far (None without collectives)."""
         return None
 
-    def begin(self, step: int) -> None:
-        """Called once, before the first step this process runs (e.g. to check all ranks agree on it)."""
+    def agree_start(self, step: int) -> int:
+        """The step every process resumes at, given the step of this process's checkpoint: the earliest."""
+        return step
 
 
 class Cluster:
     """A method bound to each flat buffer (one per dtype) of the model, run by a backend.
 
     The local workers share one parameter copy (`flat`); each keeps its own worker state.
+    `nonfinite` is the policy for a NaN/inf gradient (see `algorithm1_step`). With `master_weights`,
+    a bf16/fp16 buffer gets an fp32 master copy that the method is bound to and steps (its worker
+    state is fp32 too); the model's buffer is the master rounded after every step. Without it, a
+    Lion-type update of 1e-4 on a bf16 weight near 1 is below the rounding step and lost.
     """
 
-    def __init__(self, method: Method, flat: FlatParams, backend: Backend, seed: int = 0):
+    def __init__(self, method: Method, flat: FlatParams, backend: Backend, seed: int = 0, nonfinite: str = "error",
+                 master_weights: bool = False):
         self.flat = flat
         self.backend = backend
         self.seed = seed
+        self.nonfinite = nonfinite
         self.buffers: dict[torch.dtype, BufferWorkers] = {}
+        self.masters: dict[torch.dtype, torch.Tensor] = {}
         for dtype, buffer in flat.buffers.items():
+            if dtype in LOW_PRECISION and master_weights:
+                buffer = self.masters.setdefault(dtype, buffer.to(torch.float32))
+            elif dtype in LOW_PRECISION:
+                warnings.warn(f"{dtype} parameters lose updates below their rounding step (an lr of 1e-4 on a "
+                              "weight near 1 in bf16 is lost every step); keep fp32 master weights "
+                              "(train.master_weights=true)", stacklevel=2)
             bound = copy.deepcopy(method).bind(buffer, backend.num_workers, flat.layouts[dtype])
             local = backend.local_workers
             self.buffers[dtype] = BufferWorkers([bound] * len(local), [bound.init_worker_state() for _ in local])
-        self._started = False
 
     @property
     def num_workers(self) -> int:
@@ -150,12 +169,12 @@ class Cluster:
 
     def step(self, grads: dict[torch.dtype, torch.Tensor], step: int, lr: float, epoch: float = 0.0) -> StepBits:
         """Apply one step given the local workers' flat gradients ({dtype: [local, numel]})."""
-        if not self._started:
-            self.backend.begin(step)
-            self._started = True
         before = self.backend.wire
         ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed)
-        bits = algorithm1_step(self.buffers, grads, ctx, self.backend)
+        grads = {d: g.to(torch.float32) if d in self.masters else g for d, g in grads.items()}
+        bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite)
+        for dtype, master in self.masters.items():
+            self.flat.buffers[dtype].copy_(master)
         if before is not None:
             bits.wire = self.backend.wire - before
         return bits
@@ -170,6 +189,7 @@ class Cluster:
             "local_workers": list(self.local_workers),
             "methods": {str(d): m.state_dict() for d, m in self.methods.items()},
             "worker_states": {str(d): local.states for d, local in self.buffers.items()},
+            "masters": {str(d): m for d, m in self.masters.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -183,3 +203,5 @@ class Cluster:
             for method in local.appliers:
                 method.load_state_dict(state["methods"][str(dtype)])
             local.states[:] = state["worker_states"][str(dtype)]
+        for dtype, master in self.masters.items():
+            master.copy_(state["masters"][str(dtype)])

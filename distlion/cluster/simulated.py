@@ -28,5 +28,6 @@ class SimulatedBackend(InProcessExchange, Backend):
 class SimulatedCluster(Cluster):
     """`num_workers` simulated workers on one shared parameter copy."""
 
-    def __init__(self, method: Method, flat: FlatParams, num_workers: int, seed: int = 0):
-        super().__init__(method, flat, SimulatedBackend(num_workers), seed)
+    def __init__(self, method: Method, flat: FlatParams, num_workers: int, seed: int = 0, nonfinite: str = "error",
+                 master_weights: bool = False):
+        super().__init__(method, flat, SimulatedBackend(num_workers), seed, nonfinite, master_weights)

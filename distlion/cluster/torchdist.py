@@ -88,14 +88,9 @@ class TorchDistBackend(CollectiveExchange, Backend):
     def wire(self) -> WireBytes:
         return self.comm.wire
 
-    def begin(self, step: int) -> None:
-        """Every rank must start at the same step (e.g. all resumed from the same checkpoint)."""
-        steps = self.comm.all_gather(torch.tensor([step], dtype=torch.int64)).view(-1).tolist()
-        if len(set(steps)) > 1:
-            raise ValueError(
-                f"the ranks start at different steps {steps} (their checkpoints disagree); "
-                "delete the run directory's checkpoint.rank*.pt files to start over"
-            )
+    def agree_start(self, step: int) -> int:
+        """Ranks killed at different moments hold checkpoints of different steps: all resume at the earliest."""
+        return min(self.comm.all_gather(torch.tensor([step], dtype=torch.int64)).view(-1).tolist())
 
 
 class TorchDistCluster(Cluster):
@@ -109,8 +104,11 @@ class TorchDistCluster(Cluster):
         seed: int = 0,
         dist_backend: str = "gloo",
         timeout_s: float = 300.0,
+        nonfinite: str = "error",
+        master_weights: bool = False,
     ):
-        super().__init__(method, flat, TorchDistBackend(num_workers, dist_backend, timeout_s), seed)
+        backend = TorchDistBackend(num_workers, dist_backend, timeout_s)
+        super().__init__(method, flat, backend, seed, nonfinite, master_weights)
 
 
 def _destroy_process_group() -> None:

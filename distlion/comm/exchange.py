@@ -172,6 +172,10 @@ class Exchanger(Protocol):
         `how` is the method's exchange ("sharded", "mean", "allgather")."""
         ...
 
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """The local workers' flags -> every worker's flag, in worker order (the same on every rank)."""
+        ...
+
 
 class InProcessExchange:
     """All N workers in this process: the server rule runs on their N messages, whatever `how` says."""
@@ -182,6 +186,9 @@ class InProcessExchange:
 
     def exchange(self, how: str, server_rule: ServerRule, messages: list[Message]) -> tuple[Message, list[int]]:
         return server_rule(messages), [m.bits for m in messages]
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        return list(flags)
 
 
 class CollectiveExchange:
@@ -195,3 +202,7 @@ class CollectiveExchange:
     def exchange(self, how: str, server_rule: ServerRule, messages: list[Message]) -> tuple[Message, list[int]]:
         (message,) = messages
         return exchange(how, server_rule, message, self.comm)
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        (flag,) = flags
+        return [bool(f) for f in self.comm.all_gather(torch.tensor([flag], dtype=torch.uint8)).view(-1).tolist()]

@@ -13,6 +13,7 @@ its rules, and `exchange` / `pre_exchange` name how the server rule may be distr
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,6 +40,21 @@ class StepContext:
         """The random stream of worker `worker` at step `step`, seeded from (seed, step, worker) alone,
         so any backend (one process or N) draws the same bits."""
         return torch.Generator(device=device).manual_seed(derive_seed(self.seed, self.step, self.worker))
+
+
+def check_lr(lr: float, setting: str = "method.lr") -> None:
+    if not lr > 0:  # also NaN
+        raise ValueError(f"{setting}={lr} must be > 0; set {setting} to a positive learning rate")
+    if not math.isfinite(lr):
+        raise ValueError(f"{setting}={lr} must be finite; set {setting} to a positive learning rate")
+
+
+def check_betas(betas: Any, setting: str = "method.betas") -> tuple[float, float]:
+    """Two momentum coefficients, each in [0, 1)."""
+    values = tuple(float(b) for b in betas)
+    if len(values) != 2 or not all(0 <= b < 1 for b in values):
+        raise ValueError(f"{setting}={list(betas)} must be two coefficients in [0, 1), e.g. [0.9, 0.99]")
+    return values
 
 
 def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
@@ -69,10 +85,9 @@ class Method(ABC):
     pre_exchange: ClassVar[str | None] = None
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
-        if not lr > 0:
-            raise ValueError(f"method.lr={lr} must be > 0; set method.lr to a positive learning rate")
-        if weight_decay < 0:
-            raise ValueError(f"method.weight_decay={weight_decay} must be >= 0")
+        check_lr(lr)
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"method.weight_decay={weight_decay} must be finite and >= 0")
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.params: torch.Tensor | None = None

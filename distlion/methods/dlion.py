@@ -7,7 +7,7 @@ import torch
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, unpack_bits, unpack_uint
 from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits
-from distlion.methods.base import Method, StepContext, check_choice
+from distlion.methods.base import Method, StepContext, check_betas, check_choice
 from distlion.methods.registry import MethodInfo, register
 
 AGGREGATIONS = ("mavo", "avg")
@@ -49,7 +49,7 @@ class DLion(Method):
         check_choice("aggregation", aggregation, AGGREGATIONS)
         check_choice("zero_sign", zero_sign, TIE_RULES)
         check_choice("mavo_tie", mavo_tie, TIE_RULES)
-        self.betas = tuple(float(b) for b in betas)
+        self.betas = check_betas(betas)
         self.aggregation = aggregation
         self.zero_sign = zero_sign
         self.mavo_tie = mavo_tie

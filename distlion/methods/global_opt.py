@@ -10,7 +10,7 @@ import torch
 from timm.optim import Lion
 
 from distlion.comm.message import Message
-from distlion.methods.base import StepContext
+from distlion.methods.base import StepContext, check_betas
 from distlion.methods.mean_gradient import MeanGradientMethod, fp32_mean
 from distlion.methods.registry import MethodInfo, register
 
@@ -34,7 +34,9 @@ class GlobalAdamW(GlobalMeanGradient):
 
     def __init__(self, lr: float = 1e-3, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):
         super().__init__(lr, weight_decay)
-        self.betas = tuple(float(b) for b in betas)
+        self.betas = check_betas(betas)
+        if not eps > 0:
+            raise ValueError(f"method.eps={eps} must be > 0 (AdamW's default is 1e-8)")
         self.eps = float(eps)
 
     def make_optimizer(self, params):
@@ -48,7 +50,7 @@ class GlobalLion(GlobalMeanGradient):
 
     def __init__(self, lr: float = 1e-4, weight_decay: float = 0.0, betas=(0.9, 0.99)):
         super().__init__(lr, weight_decay)
-        self.betas = tuple(float(b) for b in betas)
+        self.betas = check_betas(betas)
 
     def make_optimizer(self, params):
         return Lion(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from distlion.comm.message import Message
-from distlion.methods.base import StepContext, check_choice, check_fraction
+from distlion.methods.base import StepContext, check_betas, check_choice, check_fraction
 from distlion.methods.mean_gradient import LIBRARY_OPTIMIZERS, library_optimizer
 from distlion.methods.registry import MethodInfo, register
 from distlion.methods.sparse import SparseMeanMethod, exact_topk, num_kept
@@ -46,8 +46,9 @@ class GradDrop(SparseMeanMethod):
         self.drop_ratio = float(drop_ratio)
         self.threshold = threshold
         self.optimizer = optimizer
+        check_fraction("momentum", momentum, "the SGD momentum; 0.9 is usual")
         self.momentum = float(momentum)
-        self.betas = tuple(float(b) for b in betas)
+        self.betas = check_betas(betas)
 
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return library_optimizer(

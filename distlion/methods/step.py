@@ -39,6 +39,8 @@ class StepBits:
     up: list[int]
     down: int
     wire: WireBytes | None = None
+    skipped: bool = False
+    """The step was skipped: a worker's gradient was not finite (`nonfinite="skip"`)."""
 
     @property
     def mean_up(self) -> float:
@@ -69,14 +71,58 @@ class BufferWorkers:
         return list({id(m): m for m in self.methods}.values())
 
 
+NONFINITE_POLICIES = ("error", "skip")
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A worker's gradient holds a NaN or an infinity."""
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in `t`, in one pass: a non-finite entry makes the sum non-finite; a finite sum that
+    overflowed is told apart by the (rarely needed) exact check."""
+    return bool(torch.isfinite(t.sum())) or all(bool(torch.isfinite(v)) for v in torch.aminmax(t))
+
+
+def nonfinite_workers(buffers: dict[torch.dtype, BufferWorkers], grads: dict[torch.dtype, torch.Tensor],
+                      local_workers: list[int]) -> dict[int, str]:
+    """{worker: the first parameter whose gradient is NaN or inf} for the local workers that have one."""
+    bad = {}
+    for dtype, local in buffers.items():
+        for worker, g in zip(local_workers, grads[dtype], strict=True):
+            if worker not in bad and not is_finite(g):
+                first = int((~torch.isfinite(g)).nonzero()[0])
+                bad[worker] = next(s.name for s in local.methods[0].layout if s.offset <= first < s.stop)
+    return bad
+
+
 def algorithm1_step(
     buffers: dict[torch.dtype, BufferWorkers],
     grads: dict[torch.dtype, torch.Tensor],
     ctx: StepContext,
     exchanger: Exchanger,
+    nonfinite: str = "error",
 ) -> StepBits:
     """One step of Algorithm 1 given the local workers' flat gradients ({dtype: [local, numel]}), in the
-    order of `exchanger.local_workers`; returns the bits of the messages built."""
+    order of `exchanger.local_workers`; returns the bits of the messages built.
+
+    A gradient with a NaN or inf never reaches a worker rule (it would poison that worker's momentum
+    for good). `nonfinite="error"` raises `NonFiniteGradient` naming the step, worker and parameter
+    (under torch.distributed the other ranks then fail at their next collective); `"skip"` skips the
+    step on every worker, as AMP's loss scaler does: no momentum and no parameter changes, and every
+    rank agrees through one all-gather of a flag per worker.
+    """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
+    bad = nonfinite_workers(buffers, grads, exchanger.local_workers)
+    if bad and nonfinite == "error":
+        worker, name = next(iter(bad.items()))
+        raise NonFiniteGradient(
+            f"step {ctx.step}: worker {worker}'s gradient of {name} is not finite (NaN or inf); lower the learning "
+            "rate, check the data, or set train.nonfinite=skip to skip such steps"
+        )
+    if nonfinite == "skip" and any(exchanger.agree([w in bad for w in exchanger.local_workers])):
+        return StepBits([0] * exchanger.num_workers, 0, skipped=True)
     up, down = [0] * exchanger.num_workers, 0
     workers = [dataclasses.replace(ctx, worker=w) for w in exchanger.local_workers]
 

@@ -8,7 +8,7 @@ import torch
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, uint_width, unpack_bits
 from distlion.comm.voting import count_votes
-from distlion.methods.base import StepContext, check_choice
+from distlion.methods.base import StepContext, check_betas, check_choice, check_fraction
 from distlion.methods.mean_gradient import LIBRARY_OPTIMIZERS, MeanGradientMethod, fp32_mean, library_optimizer
 from distlion.methods.registry import MethodInfo, register
 
@@ -73,8 +73,9 @@ class TernGrad(MeanGradientMethod):
         self.clip = None if clip is None else float(clip)
         self.ternarize = bool(ternarize)
         self.optimizer = optimizer
+        check_fraction("momentum", momentum, "the SGD momentum; the paper uses 0.9")
         self.momentum = float(momentum)
-        self.betas = tuple(float(b) for b in betas)
+        self.betas = check_betas(betas)
         self._shared: tuple[int, torch.Tensor] | None = None
 
     @property
