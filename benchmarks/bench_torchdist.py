@@ -122,7 +122,7 @@ def _step_time_rows(rank: int, repeats: int = 7) -> list[dict]:
         flat = FlatParams(_mlp([1024] * 11))  # 10 layers of 1024 x 1024 + biases: 10.5M parameters
         clusters[name] = TorchDistCluster(build_method(name, **hparams), flat, RANKS, timeout_s=120)
         grads = grads or _grads(flat, rank)
-    comm = clusters["dlion"].comm
+    comm = clusters["dlion"].backend.comm
     times = {name: [] for name in clusters}
     for rep in range(repeats + 1):
         order = list(clusters) if rep % 2 else list(reversed(clusters))

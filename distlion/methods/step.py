@@ -119,7 +119,7 @@ def algorithm1_step(
         worker, name = next(iter(bad.items()))
         raise NonFiniteGradient(
             f"step {ctx.step}: worker {worker}'s gradient of {name} is not finite (NaN or inf); lower the learning "
-            "rate, check the data, or set train.nonfinite=skip to skip such steps"
+            "rate, check the data, or skip such steps (train.nonfinite=skip; nonfinite=\"skip\" in Python)"
         )
     if nonfinite == "skip" and any(exchanger.agree([w in bad for w in exchanger.local_workers])):
         return StepBits([0] * exchanger.num_workers, 0, skipped=True)
