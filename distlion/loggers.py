@@ -28,7 +28,8 @@ class WandbLogger:
         self.run.define_metric("step")
         self.run.define_metric("train/*", step_metric="step")
         self.run.define_metric("comm/cum_bits_per_param")
-        self.run.define_metric("eval/*", step_metric="comm/cum_bits_per_param")
+        for section in ("val/*", "test/*"):  # evaluations against communicated bits, the paper's x-axis
+            self.run.define_metric(section, step_metric="comm/cum_bits_per_param")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log({_wandb_key(k): v for k, v in metrics.items() if v is not None})
@@ -38,8 +39,9 @@ class WandbLogger:
 
 
 def _wandb_key(key: str) -> str:
-    if key.startswith("eval_"):
-        return "eval/" + key[len("eval_"):]
+    for prefix, section in (("val_", "val/"), ("test_", "test/")):
+        if key.startswith(prefix):
+            return section + key[len(prefix):]
     if key in ("step", "epoch", "wall_time"):
         return key
     if "bits" in key:

@@ -3,10 +3,11 @@
 Reads every `summary.json` (and its `metrics.jsonl`) under a sweep directory. Runs that differ only by
 seed form a group (mean ± std over seeds, with n); groups differ in the settings that vary across the
 runs (method, workers, per-worker batch, lr, method settings, ...), and tables, legends and line styles
-name every one of them. The numbers are the task's declared metrics (`Task.metrics`), headline first.
-Writes a Markdown table, CSVs of every run and every evaluation, PNG plots (the headline metric against
-cumulative communicated bits per parameter, training steps and the number of workers; the train loss)
-and a static HTML page.
+name every one of them. The numbers are the task's declared metrics (`Task.metrics`), headline (a test
+metric) first, each titled with its split. Writes a Markdown table, CSVs of every run and every
+evaluation, PNG plots (the final headline metric against bits per parameter per iteration and the
+number of workers; the validation metric logged during training against cumulative communicated bits
+per parameter and training steps; the train loss) and a static HTML page.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omegaconf import OmegaConf
 from distlion.cli import read_failures
 from distlion.methods import label_order, method_label
 from distlion.tasks import Metric, task_metrics, task_name
+from distlion.tasks.base import quantity
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -50,7 +52,8 @@ Run = dict[str, Any]
 
 def load_runs(root: Path) -> list[Run]:
     """Every finished run under `root`, with its evaluations and logged steps under "curve", its method's
-    label, its task's readable name and its declared metrics (from the summary, or by the task's class)."""
+    label, its task's readable name and its declared metrics (from the summary, or for summaries written
+    before the validation split, the `eval_*` ones of the task's class)."""
     runs = []
     for path in sorted(root.rglob("summary.json")):
         run = json.loads(path.read_text())
@@ -60,7 +63,8 @@ def load_runs(root: Path) -> list[Run]:
         run["run_dir"] = str(path.parent)
         hparams = {k.removeprefix("method."): v for k, v in run.items() if k.startswith("method.")}
         run["label"] = method_label(run["method"], hparams)
-        run["metrics"] = tuple(Metric(**m) for m in run["metrics"]) if "metrics" in run else task_metrics(run["task"])
+        run["metrics"] = (tuple(Metric(**m) for m in run["metrics"]) if "metrics" in run
+                          else task_metrics(run["task"], legacy=True))
         run["task"] = task_name(run["task"])
         config = path.parent / "config.yaml"
         run["data"] = OmegaConf.load(config).get("task", {}).get("data") if config.exists() else None
@@ -77,6 +81,15 @@ def report_metrics(runs: list[Run]) -> tuple[Metric, ...]:
         tasks = ", ".join(sorted({r["task"] for r in runs}))
         raise ValueError(f"the runs' tasks ({tasks}) declare different metrics; report them one task at a time")
     return runs[0]["metrics"]
+
+
+def curve_metric(runs: list[Run]) -> Metric:
+    """The metric logged during training, which curves plot: the headline's quantity on the validation split
+    (the headline itself for runs from before the validation split, whose evaluations read one split)."""
+    metrics = report_metrics(runs)
+    headline = metrics[0]
+    return next((m for m in metrics if m.split == "validation" and not m.reference and m.quantity == headline.quantity),
+                headline)
 
 
 def _value(run: Run, key: str) -> Any:
@@ -152,8 +165,9 @@ def _values(members: Iterable[Run], key: str) -> list[float]:
 
 def references(runs: list[Run], drawn_on: str | None = None) -> list[tuple[Metric, float]]:
     """(reference metric, value) of the runs, e.g. the unigram entropy; only those drawn on the metric
-    `drawn_on` if given."""
-    return [(m, v) for m in report_metrics(runs) if m.reference and drawn_on in (None, m.reference_for)
+    `drawn_on` (or on the same quantity of another split) if given."""
+    return [(m, v) for m in report_metrics(runs)
+            if m.reference and (drawn_on is None or quantity(drawn_on) == quantity(m.reference_for))
             for v in sorted(set(_values(runs, m.key)))]
 
 
@@ -234,8 +248,10 @@ def write_csv(runs: list[Run], path: Path) -> None:
 
 
 def write_evals_csv(runs: list[Run], path: Path) -> None:
-    """One row per evaluation of every run (the numbers behind metric_curves.png)."""
+    """One row per evaluation of every run (the numbers behind metric_curves.png; the test metrics are in the
+    last row of a run only)."""
     metrics = [m.key for m in report_metrics(runs)]
+    logged = curve_metric(runs).key
     settings = _csv_settings(runs)
     fields = [*settings, "seed", "step", "epoch", "cum_bits_per_param", *metrics, "wall_time"]
     with path.open("w", newline="") as f:
@@ -243,7 +259,7 @@ def write_evals_csv(runs: list[Run], path: Path) -> None:
         writer.writeheader()
         for r in _run_order(runs):
             for point in r["curve"]:
-                if metrics[0] in point:
+                if logged in point:
                     # The run's settings over the point's own keys: a point's "lr" is the scheduled one.
                     writer.writerow({**point, **{k: r.get(k) for k in settings}, "seed": r["seed"]})
 
@@ -299,14 +315,15 @@ def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlab
 
 
 def plot_metric_curves(runs: list[Run], path: Path) -> Axes:
-    """The headline metric against training steps, one line per group, first seed."""
-    metric = report_metrics(runs)[0]
+    """The validation metric logged during training against training steps, one line per group, first seed."""
+    metric = curve_metric(runs)
     return _plot_curves(runs, path, "step", metric.key, metric.scale, "step", metric.display, reference=metric)
 
 
 def plot_metric_vs_bits(runs: list[Run], path: Path) -> Axes:
-    """The headline metric against cumulative bits per parameter (uplink + downlink, per worker), log x."""
-    metric = report_metrics(runs)[0]
+    """The validation metric logged during training against cumulative bits per parameter (uplink + downlink,
+    per worker), log x."""
+    metric = curve_metric(runs)
     return _plot_curves(runs, path, "cum_bits_per_param", metric.key, metric.scale,
                         "cumulative bits per parameter communicated per worker (up + down)", metric.display,
                         reference=metric, log_x=True)
@@ -366,8 +383,28 @@ def _intro(runs: list[Run]) -> str:
         if not m.reference:
             by_split[m.split].append(m.display)
     splits = "; ".join(f"{' and '.join(names)} on the {split} split" for split, names in by_split.items())
-    return (f"{len(runs)} runs of task {task}, seeds {sorted({r['seed'] for r in runs})}. Metrics from an "
-            f"evaluation at the end of training: {splits}. Bits are counted from the messages each method built.\n")
+    text = (f"{len(runs)} runs of task {task}, seeds {sorted({r['seed'] for r in runs})}. Metrics from an "
+            f"evaluation at the end of training: {splits}.")
+    logged = curve_metric(runs)
+    if logged != report_metrics(runs)[0]:
+        text += (f" Curves: the {logged.display}, evaluated during training; the test split is evaluated once, "
+                 "at the end.")
+    sizes = sorted({_split_sizes(r["splits"]) for r in runs if r.get("splits")})
+    if sizes:
+        text += f" Splits (train / validation / test): {'; '.join(sizes)}."
+    return text + " Bits are counted from the messages each method built.\n"
+
+
+def _split_sizes(splits: dict[str, Any]) -> str:
+    """"45,000 / 5,000 / 10,000 images, stratified, seed 0" from a summary's "splits"."""
+    text = " / ".join(f"{splits[s]:,}" for s in ("train", "validation", "test")) + f" {splits.get('unit', 'examples')}"
+    if splits.get("stratified"):
+        text += ", stratified"
+    if splits.get("seed") is not None:
+        text += f", seed {splits['seed']}"
+    if splits.get("val_fraction") is not None:
+        text += f", validation the last {splits['val_fraction']:g} of each training document"
+    return text
 
 
 def failures_list(failures: list[dict[str, Any]]) -> str:

@@ -150,7 +150,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 is_last = step + 1 == steps
                 evaluate = (step + 1) % eval_every == 0 or is_last
                 if evaluate and cluster.is_main:
-                    last_eval = task.evaluate(model)
+                    # During training validation only (cheap: `val_examples` of it); the test split once, at the end.
+                    last_eval = (final_evaluation(task, model) if is_last
+                                 else task.evaluate(model, "validation", task.val_examples))
                     record.update(last_eval)
                 if evaluate or (step + 1) % cfg.train.log_every == 0:
                     record["wall_time"] = time.time() - start_time
@@ -176,7 +178,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "num_params": flat.numel,
             **last_eval,
             "metric": task.metric,
+            "objective": task.objective,
             "metrics": [dataclasses.asdict(m) for m in task.metrics],
+            "splits": task.splits,
             **bits.summary(steps),
             "wall_time": time.time() - start_time,
             "params_sha256": params_digest(flat),
@@ -189,6 +193,12 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         return summary
     finally:
         logger.finish()
+
+
+def final_evaluation(task: Task, model: nn.Module) -> dict[str, float]:
+    """All of validation, then the test split: the one place a run reads the test split, once, at its end.
+    Everything that selects reads validation; the test numbers are for the final tables."""
+    return {**task.evaluate(model, "validation"), **task.evaluate(model, "test")}
 
 
 def params_digest(flat: FlatParams) -> str:
@@ -239,7 +249,8 @@ def _restore(checkpoint: dict[str, Any], flat: FlatParams, cluster: Cluster) -> 
 def hydra_task(cfg: DictConfig) -> float | None:
     """One run, or one point of a sweep: `distlion.cli.run_point` says what a bad setting does."""
     summary = run_point(run, cfg)
-    return None if summary is None else summary.get(summary["metric"])
+    # What a Hydra sweeper optimizes: the validation objective, never the test headline.
+    return None if summary is None else summary.get(summary.get("objective", summary["metric"]))
 
 
 def main() -> None:

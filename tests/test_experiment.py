@@ -55,7 +55,7 @@ def test_parallel_sweep_gives_the_same_runs_as_a_sequential_one(sweeps):
     assert len(seq) == 8 and seq.keys() == par.keys()
     for name in seq:
         assert par[name]["params_sha256"] == seq[name]["params_sha256"], name
-        assert par[name]["eval_accuracy"] == seq[name]["eval_accuracy"]
+        assert par[name]["test_accuracy"] == seq[name]["test_accuracy"]
         assert par[name]["total_bits"] == seq[name]["total_bits"]
 
 
@@ -75,13 +75,13 @@ def test_report_tables_and_csv_carry_the_runs_numbers(sweeps):
     assert len(rows) == 8
     for row in rows:
         summary = runs[Path(row["run_dir"]).name]
-        assert float(row["eval_accuracy"]) == summary["eval_accuracy"]
+        assert float(row["test_accuracy"]) == summary["test_accuracy"]
         assert float(row["bits_per_param_per_iter"]) == summary["bits_per_param_per_iter"]
 
     markdown = (results / "results.md").read_text()
     pivot = next(line for line in markdown.splitlines() if line.startswith("| D-Lion (MaVo) |"))
     for workers in (2, 4):
-        accs = [100 * s["eval_accuracy"] for s in runs.values() if s["method"] == "dlion" and s["workers"] == workers]
+        accs = [100 * s["test_accuracy"] for s in runs.values() if s["method"] == "dlion" and s["workers"] == workers]
         assert f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f} (n=2)" in pivot
     mavo = next(line for line in markdown.splitlines() if line.startswith("| D-Lion (MaVo) | 4 | 8 |"))
     assert "| 1.000 | 1.000 | 2.000 |" in mavo  # bits per parameter per iteration: 1 up + 1 down

@@ -314,7 +314,7 @@ def test_the_runner_trains_bf16_parameters_on_fp32_masters_and_resumes_them(make
         run(make_cfg(*settings), tmp_path / "resumed")
     monkeypatch.setattr(Cluster, "step", clean_step)
     resumed = run(make_cfg(*settings), tmp_path / "resumed")
-    assert resumed["params_sha256"] == whole["params_sha256"] and resumed["eval_accuracy"] > 0
+    assert resumed["params_sha256"] == whole["params_sha256"] and resumed["test_accuracy"] > 0
 
 
 def test_settings_added_later_keep_the_hash_of_runs_made_before_them(make_cfg):

@@ -19,8 +19,9 @@ from distlion.tasks import task_metrics
 def write_run(root: Path, method: str = "lion", workers: int = 2, per_worker_batch: int = 16, seed: int = 0,
               lr: float = 1e-3, task: str = "digits", new_style: bool = True, **values: float) -> dict:
     """A finished run folder: summary.json as train.py writes it (`new_style`: with the config name and the
-    declared metrics; else the class name and no metrics, as older summaries), and a metrics.jsonl curve."""
-    metrics = task_metrics(task)
+    declared metrics; else the class name, no metrics and `eval_*` keys, as older summaries), and a
+    metrics.jsonl curve."""
+    metrics = task_metrics(task, legacy=not new_style)
     values = {m.key: 0.5 for m in metrics} | values
     steps = 64 // workers  # a fixed epoch count: the steps follow from the workers
     summary = {
@@ -35,7 +36,8 @@ def write_run(root: Path, method: str = "lion", workers: int = 2, per_worker_bat
     if new_style:
         summary["metrics"] = [dataclasses.asdict(m) for m in metrics]
     else:
-        summary["task"] = {"shakespeare": "LanguageModelTask", "digits": "DigitsTask"}[task]
+        summary["task"] = {"shakespeare": "LanguageModelTask", "gutenberg": "LanguageModelTask",
+                           "digits": "DigitsTask"}[task]
     run_dir = root / f"{method}-{workers}-{per_worker_batch}-{lr}-{seed}"
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -54,8 +56,9 @@ def table_row(markdown: str, start: str) -> str:
 
 
 @pytest.mark.parametrize(("task", "extra", "display", "shown"), [
-    ("imagenet", "eval_top5", "validation top-5 (%)", "81.25"),
-    ("shakespeare", "eval_perplexity", "validation perplexity", "0.8125"),
+    ("imagenet", "test_top5", "test top-5 (%)", "81.25"),
+    ("imagenet", "val_top5", "validation top-5 (%)", "81.25"),
+    ("shakespeare", "test_perplexity", "test perplexity", "0.8125"),
 ])
 def test_a_tasks_extra_metric_reaches_the_csv_and_the_table(tmp_path, task, extra, display, shown):
     assert extra not in Path(report.__file__).read_text()  # the report knows it only from the task's declaration
@@ -96,7 +99,7 @@ def test_a_workers_by_batch_sweep_shows_four_groups_each_in_its_own_style(tmp_pa
         for batch in (16, 32):
             for seed in (0, 1):
                 write_run(tmp_path, workers=workers, per_worker_batch=batch, seed=seed,
-                          eval_accuracy=0.5 + workers / 100 + batch / 1000 + seed / 500)
+                          test_accuracy=0.5 + workers / 100 + batch / 1000 + seed / 500)
     runs = report.load_runs(tmp_path)
     ax = report.plot_metric_curves(runs, tmp_path / "curves.png")
     handles, labels = ax.get_legend_handles_labels()
@@ -137,10 +140,35 @@ def test_tasks_with_other_metrics_cannot_share_a_table_and_with_the_same_ones_ar
     write_run(tmp_path / "mixed", task="shakespeare", workers=4)
     with pytest.raises(ValueError, match="declare different metrics"):
         report.write_report(tmp_path / "mixed", tmp_path / "out")
-    # An old and a new summary of the same kind of task: the same columns, two groups.
-    write_run(tmp_path / "lm", task="shakespeare", new_style=False)
+    # Summaries from before and after the validation split measure different splits: not one table.
+    write_run(tmp_path / "old_and_new", task="shakespeare", new_style=False)
+    write_run(tmp_path / "old_and_new", task="shakespeare", seed=1)
+    with pytest.raises(ValueError, match="declare different metrics"):
+        report.write_report(tmp_path / "old_and_new", tmp_path / "out")
+    # Two tasks with the same metrics: the same columns, two groups told apart by their task.
+    write_run(tmp_path / "lm", task="gutenberg")
     write_run(tmp_path / "lm", task="shakespeare", seed=1)
     ax = report.plot_metric_curves(report.load_runs(tmp_path / "lm"), tmp_path / "curves.png")
     labels = ax.get_legend_handles_labels()[1]
-    assert labels == ["G-Lion, task=language model", "G-Lion, task=shakespeare",
+    assert labels == ["G-Lion, task=gutenberg", "G-Lion, task=shakespeare",
                       "unigram entropy of the tokenizer's training data: 0.500"]  # the reference line
+
+
+def test_tables_show_the_test_headline_and_curves_the_validation_metric(tmp_path):
+    write_run(tmp_path, test_accuracy=0.9, val_accuracy=0.8)
+    summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
+    summary["splits"] = {"train": 1077, "validation": 270, "test": 450, "unit": "images", "seed": 0, "stratified": True}
+    next(tmp_path.rglob("summary.json")).write_text(json.dumps(summary))
+    runs = report.load_runs(tmp_path)
+    table = report.markdown_table(runs)
+    header = table_row(table, "| method |").split(" | ")
+    assert header[3:7] == ["test accuracy (%)", "test loss (nats)", "validation accuracy (%)", "validation loss (nats)"]
+    assert table_row(table, "| G-Lion | 2 | 16 |").startswith("| G-Lion | 2 | 16 | 90.00 | 0.5000 | 80.00 |")
+    assert report.pivot_table(runs).startswith("test accuracy (%), mean ± std over seeds")
+    ax = report.plot_metric_curves(runs, tmp_path / "curves.png")
+    assert ax.get_ylabel() == "validation accuracy (%)"
+    assert set(ax.get_lines()[0].get_ydata()) == {80.0}
+    intro = report._intro(runs)
+    assert "test accuracy (%) and test loss (nats) on the test split" in intro
+    assert "validation accuracy (%) and validation loss (nats) on the validation split" in intro
+    assert "Splits (train / validation / test): 1,077 / 270 / 450 images, stratified, seed 0." in intro

@@ -56,7 +56,7 @@ def test_sigkill_then_resume_matches_uninterrupted(make_cfg, tmp_path, method):
     assert "resuming" in stderr
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["params_sha256"] == reference["params_sha256"]
-    assert summary["eval_accuracy"] == reference["eval_accuracy"]
+    assert summary["test_accuracy"] == reference["test_accuracy"]
     assert summary["total_bits"] == reference["total_bits"]
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 60  # no line lost or written twice

@@ -14,14 +14,16 @@ from distlion.train import run
 
 
 def test_dlion_mavo_4_workers_learns_digits(make_cfg, tmp_path):
-    cfg = make_cfg("method=dlion", "method.aggregation=mavo", "cluster.workers=4", "cluster.per_worker_batch=32")
+    # 45 epochs of the 1,077 training images (270 of the 1,347 are validation): 360 steps, 30 epochs were 300.
+    cfg = make_cfg("method=dlion", "method.aggregation=mavo", "cluster.workers=4", "cluster.per_worker_batch=32",
+                   "train.epochs=45")
     summary = run(cfg, tmp_path)
-    assert summary["eval_accuracy"] >= 0.90  # real evaluation on the 450 held-out images
+    assert summary["test_accuracy"] >= 0.90  # real evaluation on the 450 held-out test images
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == summary["steps"]
-    evals = [line for line in lines if "eval_accuracy" in line]
+    evals = [line for line in lines if "val_accuracy" in line]
     assert len(evals) >= 10
-    assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"]
+    assert evals[-1]["val_accuracy"] > evals[0]["val_accuracy"]
     # 1 bit up + 1 bit down per parameter, plus at most 7 padding bits per message.
     assert 2.0 <= summary["bits_per_param_per_iter"] <= 2.0 + 16 / summary["num_params"]
     assert lines[-1]["cum_bits_per_param"] == pytest.approx(summary["steps"] * summary["bits_per_param_per_iter"])
@@ -89,10 +91,11 @@ def test_cli_prints_one_error_line(tmp_path):
     assert errors == ["distlion: error: method.lr=-1 must be > 0; set method.lr to a positive learning rate"]
 
 
-def test_num_evals_sets_how_often_the_held_out_split_is_evaluated(make_cfg, tmp_path):
+def test_num_evals_sets_how_often_the_validation_split_is_evaluated(make_cfg, tmp_path):
     run(make_cfg("train.steps=20", "train.num_evals=4", "train.log_every=100"), tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines if "eval_accuracy" in m] == [5, 10, 15, 20]
+    assert [m["step"] for m in lines if "val_accuracy" in m] == [5, 10, 15, 20]
+    assert [m["step"] for m in lines if "test_accuracy" in m] == [20]  # the test split once, at the end
 
 
 def test_a_run_directory_held_by_another_process_is_refused(make_cfg, tmp_path):

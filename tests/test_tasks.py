@@ -50,15 +50,27 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def source_order(task) -> tuple[torch.Tensor, torch.Tensor]:
+    """A classification task's train + validation images and labels, back in the order of the data they were
+    carved from."""
+    order = torch.argsort(torch.cat([task.train_index, task.val_index]))
+    return torch.cat([task.train_x, task.val_x])[order], torch.cat([task.train_y, task.val_y])[order]
+
+
+def evaluate_both(task, model) -> dict[str, float]:
+    return {**task.evaluate(model, "validation"), **task.evaluate(model, "test")}
+
+
 @needs_data
 def test_cifar10_vit_learns_and_logs_bits(make_cfg, tmp_path):
-    cfg = make_cfg("task=cifar10", *TINY_VIT, "task.subset=512", "task.test_subset=500", "method=adamw",
+    cfg = make_cfg("task=cifar10", *TINY_VIT, "task.subset=512", "task.val_size=128", "task.test_subset=500",
+                   "method=adamw",
                    "method.lr=3e-3", "cluster.workers=2", "cluster.per_worker_batch=32", "train.steps=48",
                    "train.eval_every=8")
     summary = run(cfg, tmp_path / "run")
-    evals = [m for m in read_metrics(tmp_path / "run") if "eval_accuracy" in m]
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert summary["eval_accuracy"] > 0.2  # chance is 0.1 on the (close to balanced) first 500 test images
+    evals = [m for m in read_metrics(tmp_path / "run") if "val_accuracy" in m]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert summary["test_accuracy"] > 0.2  # chance is 0.1 on the (close to balanced) first 500 test images
     assert summary["bits_per_param_per_iter"] == 64.0  # G-AdamW: 32 bits up + 32 down
     assert evals[-1]["cum_bits_per_param"] == 64.0 * 48
 
@@ -66,16 +78,17 @@ def test_cifar10_vit_learns_and_logs_bits(make_cfg, tmp_path):
 @needs_data
 def test_cifar10_decodes_once_then_loads_the_cache(monkeypatch):
     model = {"img_size": 32, "in_chans": 3}
-    first = Cifar10Task(model, subset=64, test_subset=32)
-    assert first.train_x.dtype == torch.uint8 and first.train_x.shape == (64, 3, 32, 32)
-    assert first.train_y[0] == 6 and first.test_y[0] == 3  # a frog and a cat, as in the original order
+    first = Cifar10Task(model, subset=64, val_size=16, test_subset=32)
+    images, labels = source_order(first)
+    assert first.train_x.dtype == torch.uint8 and images.shape == (64, 3, 32, 32)
+    assert labels[0] == 6 and first.test_y[0] == 3  # a frog and a cat, as in the original order
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("the cached tensors should have been loaded")
 
     monkeypatch.setattr(data_module, "_decode_parquet", no_decoding)
     start = time.perf_counter()
-    second = Cifar10Task(model, subset=64, test_subset=32)
+    second = Cifar10Task(model, subset=64, val_size=16, test_subset=32)
     assert time.perf_counter() - start < 1.0
     assert torch.equal(second.train_x, first.train_x) and torch.equal(second.test_y, first.test_y)
 
@@ -97,7 +110,7 @@ def test_crop_and_flip_are_drawn_from_the_generator():
 
 @needs_data
 def test_cifar10_randaugment_and_mixup_are_deterministic_and_stay_in_pairs():
-    task = Cifar10Task({"img_size": 32}, subset=64, test_subset=16, auto_augment="rand-m9-n2-mstd0.5",
+    task = Cifar10Task({"img_size": 32}, subset=64, val_size=16, test_subset=16, auto_augment="rand-m9-n2-mstd0.5",
                        mixup=0.8, cutmix=1.0, label_smoothing=0.1)
     index = torch.arange(8)
     x1, y1 = task.train_batch(index, torch.Generator().manual_seed(0))
@@ -113,7 +126,7 @@ def test_cifar10_randaugment_and_mixup_are_deterministic_and_stay_in_pairs():
 @needs_data
 def test_shakespeare_llama_learns_and_reuses_the_tokenizer_cache(make_cfg, tmp_path):
     overrides = ["task=shakespeare", *TINY_LLAMA, "task.max_chars=20000", "task.block_size=32",
-                 "task.vocab_size=300", "task.eval_blocks=32", "method=dlion_avg", "method.lr=3e-3",
+                 "task.vocab_size=300", "task.val_examples=32", "method=dlion_avg", "method.lr=3e-3",
                  "cluster.workers=2", "cluster.per_worker_batch=8", "train.steps=30", "train.eval_every=10",
                  "schedule.warmup_steps=3"]
     trained = tokenizer_module.TRAININGS
@@ -122,9 +135,10 @@ def test_shakespeare_llama_learns_and_reuses_the_tokenizer_cache(make_cfg, tmp_p
     (tokenizer_file,) = (tmp_path / "cache" / "tokenizers").glob("bpe-300-*.json")
     mtime = tokenizer_file.stat().st_mtime_ns
 
-    evals = [m for m in read_metrics(tmp_path / "first") if "eval_loss" in m]
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert evals[-1]["eval_perplexity"] == pytest.approx(np.exp(evals[-1]["eval_loss"]))
+    evals = [m for m in read_metrics(tmp_path / "first") if "val_loss" in m]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert evals[-1]["val_perplexity"] == pytest.approx(np.exp(evals[-1]["val_loss"]))
+    assert evals[-1]["test_perplexity"] == pytest.approx(np.exp(evals[-1]["test_loss"]))
     assert evals[-1]["unigram_entropy"] == summary["unigram_entropy"] > 0
     assert summary["bits_up_per_param_per_iter"] >= 1.0 and summary["cum_bits_per_param"] > 0
 
@@ -135,18 +149,20 @@ def test_shakespeare_llama_learns_and_reuses_the_tokenizer_cache(make_cfg, tmp_p
     # The report of a language-model sweep: loss and perplexity over seeds, the unigram reference line.
     write_report(tmp_path, tmp_path / "report")
     table = (tmp_path / "report" / "results.md").read_text()
-    losses = [summary["eval_loss"], second["eval_loss"]]
-    ppls = [summary["eval_perplexity"], second["eval_perplexity"]]
+    losses = [summary["test_loss"], second["test_loss"]]
+    ppls = [summary["test_perplexity"], second["test_perplexity"]]
     row = next(line for line in table.splitlines() if line.startswith("| D-Lion (Avg) | 2 | 8 |"))
     assert f"| {np.mean(losses):.4f} ± {np.std(losses, ddof=1):.4f} | {np.mean(ppls):.4f} ± " in row
     assert f"unigram entropy of the tokenizer's training data, {summary['unigram_entropy']:.3f} nats/token" in table
 
 
 def test_byte_tokenizer_blocks_and_unigram_entropy(tmp_path):
-    text = "abab" * 200 + "c" * 200  # the first 80% (the train split) is "abab" * 200
+    # The last 20% is the test split; the last 20% of the rest validation; the train split is "abab" * 200.
+    text = "abab" * 200 + "d" * 200 + "c" * 250
     (tmp_path / "book.txt").write_text(text)
     task = LanguageModelTask({"max_position_embeddings": 16}, data=str(tmp_path / "book.txt"), block_size=8,
-                             tokenizer="bytes", val_fraction=0.2, random_offset=False)
+                             tokenizer="bytes", test_fraction=0.2, val_fraction=0.2, random_offset=False)
+    assert set(task.val_ids[:-1].tolist()) == {ord("d")} and set(task.test_ids[:-1].tolist()) == {ord("c")}
     assert task.tokenizer.vocab_size == 257
     assert task.train_ids[:4].tolist() == list(b"abab") and task.train_ids[-1] == 256
     counts = torch.tensor([400.0, 400.0, 1.0])  # a, b and the one end-of-text token
@@ -174,27 +190,31 @@ def write_image_folder(root: Path, classes: int = 3, per_class: int = 4, size: i
 
 def test_cifar10_from_an_image_folder_tree(tmp_path):
     write_image_folder(tmp_path / "tree", per_class=2, size=36, splits=("train", "test"))
-    task = Cifar10Task({"img_size": 32}, data=str(tmp_path / "tree"))
-    assert task.train_x.shape == (6, 3, 32, 32) and task.train_x.dtype == torch.uint8  # resized to 32x32
-    assert task.train_y.tolist() == [0, 0, 1, 1, 2, 2] and len(task.test_y) == 6
-    assert task.train_x[2, 1].float().mean() > task.train_x[2, 0].float().mean()  # class1 is green
+    task = Cifar10Task({"img_size": 32}, data=str(tmp_path / "tree"), val_size=3)
+    images, labels = source_order(task)
+    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.uint8  # resized to 32x32
+    assert labels.tolist() == [0, 0, 1, 1, 2, 2] and len(task.test_y) == 6
+    assert sorted(task.val_y.tolist()) == [0, 1, 2]  # stratified: one validation image per class
+    assert images[2, 1].float().mean() > images[2, 0].float().mean()  # class1 is green
 
 
 def test_imagenet_path_on_a_tiny_image_folder(make_cfg, tmp_path):
     write_image_folder(tmp_path / "folder")
     cfg = make_cfg("task=imagenet", "model=vit_small_imagenet", "+model.img_size=32", "+model.patch_size=8",
                    "+model.embed_dim=32", "+model.depth=1", "+model.num_heads=2",
-                   f"task.data={tmp_path / 'folder'}", "task.image_size=32", "task.eval_workers=0",
+                   f"task.data={tmp_path / 'folder'}", "task.image_size=32", "task.eval_workers=0", "task.val_size=3",
                    "method=lion", "cluster.workers=2", "cluster.per_worker_batch=2", "train.steps=6")
     summary = run(cfg, tmp_path / "run")
     task = build_task(cfg.task, cfg.model)
     batches = [task.train_batch(torch.arange(4), torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(batches[0][0], batches[1][0])  # timm's random transforms drawn from the generator
     assert summary["num_params"] < 100_000  # the tiny variant, with 3 output classes
-    assert 0.0 <= summary["eval_accuracy"] <= 1.0 and summary["eval_top5"] == 1.0  # 3 classes < 5
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["test_top5"] == 1.0  # 3 classes < 5
+    assert summary["splits"] == {"train": 9, "validation": 3, "test": 12, "unit": "images", "seed": 0,
+                                 "stratified": True}
     assert summary["bits_per_param_per_iter"] == 64.0
-    assert len([m for m in read_metrics(tmp_path / "run") if "eval_top5" in m]) >= 1
-    assert set(task.evaluate(task.build_model())) == {m.key for m in task.metrics}
+    assert len([m for m in read_metrics(tmp_path / "run") if "val_top5" in m]) >= 1
+    assert set(evaluate_both(task, task.build_model())) == {m.key for m in task.metrics}
 
 
 def test_task_configs_are_named_by_their_file():
@@ -206,11 +226,12 @@ def test_evaluate_returns_exactly_the_declared_metrics(make_cfg, tmp_path):
     (tmp_path / "book.txt").write_text("to be or not to be, that is the question. " * 50)
     for overrides in (["task=digits", "model=vit_digits"],
                       ["task=shakespeare", *TINY_LLAMA, f"task.data={tmp_path / 'book.txt'}", "task.tokenizer=bytes",
-                       "task.block_size=16", "task.eval_blocks=2"]):
+                       "task.block_size=16", "task.val_examples=2"]):
         cfg = make_cfg(*overrides)
         task = build_task(cfg.task, cfg.model)
-        assert set(task.evaluate(task.build_model())) == {m.key for m in task.metrics}
-        assert task.metric == task.metrics[0].key
+        assert set(evaluate_both(task, task.build_model())) == {m.key for m in task.metrics}
+        assert task.metric == task.metrics[0].key and task.metrics[0].split == "test"
+        assert next(m for m in task.metrics if m.key == task.objective).split == "validation"
 
 
 def test_data_root_is_the_env_var_else_the_shared_copy(monkeypatch, tmp_path):

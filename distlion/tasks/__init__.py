@@ -1,8 +1,9 @@
 """Tasks: data + model + loss + evaluation, built from the `task` and `model` config groups.
 
 A task is named by its config file: conf/task/<name>.yaml starts with `name: <name>`, and a run's
-summary.json records that name and the task's declared metrics. Summaries written before then hold the
-class name and no metrics; `task_metrics` and `task_name` read them through the configs' `_target_`.
+summary.json records that name, the task's declared metrics and its splits. Summaries written before then
+hold the class name, no metrics and `eval_*` keys; `task_metrics(..., legacy=True)` and `task_name` read
+them through the configs' `_target_`.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def task_class(name: str) -> type[Task]:
     return getattr(importlib.import_module(module), cls)
 
 
-def task_metrics(name: str) -> tuple[Metric, ...]:
-    """The metrics a task declares (headline first), by config name or class name."""
-    return task_class(name).metrics
+def task_metrics(name: str, legacy: bool = False) -> tuple[Metric, ...]:
+    """The metrics a task declares (headline first), by config name or class name; `legacy`: those of its
+    summaries from before the validation split (no "metrics" key, `eval_*` keys)."""
+    cls = task_class(name)
+    return cls.legacy_metrics if legacy else cls.metrics
 
 
 def task_name(name: str) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from distlion.tasks.base import ClassificationTask
+from distlion.tasks.base import ClassificationTask, stratified_split
 from distlion.tasks.data import load_images, seeded_host_rngs
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -26,9 +26,11 @@ HOW = "download the Parquet files of uoft-cs/cifar10 from https://huggingface.co
 
 
 class Cifar10Task(ClassificationTask):
-    """CIFAR-10: 50,000 train / 10,000 test images of 32x32, top-1 test accuracy.
+    """CIFAR-10: 45,000 train / 5,000 validation / 10,000 test images of 32x32, top-1 accuracy.
 
-    `subset` / `test_subset` keep the first n rows of each split (tests use a few hundred).
+    Validation is `val_size` images of the official training set, stratified by class and drawn with
+    `split_seed`; test is the official test set. `subset` / `test_subset` keep the first n rows of the
+    official train / test sets (tests use a few hundred), validation is then carved from the kept rows.
     `auto_augment` is a timm policy string ("rand-m9-n2-mstd0.5" or "original"), `mixup` / `cutmix`
     the Beta parameters of timm's Mixup (0 = off).
     """
@@ -37,6 +39,9 @@ class Cifar10Task(ClassificationTask):
         self,
         model: Any,
         data: str = "cifar10",
+        val_size: int = 5000,
+        split_seed: int = 0,
+        val_examples: int | None = None,
         subset: int | None = None,
         test_subset: int | None = None,
         crop_padding: int = 4,
@@ -49,9 +54,13 @@ class Cifar10Task(ClassificationTask):
         image_size: int = 32,
         num_classes: int = 10,
     ):
-        super().__init__(model, label_smoothing)
+        super().__init__(model, label_smoothing, val_examples)
         check_image_model(model, image_size, "model=vit_cifar_cpu or model=vit_cifar_paper")
-        self.train_x, self.train_y = load_images(data, "train", subset, image_size, "CIFAR-10", HOW)
+        pool_x, pool_y = load_images(data, "train", subset, image_size, "CIFAR-10", HOW)
+        self.split_seed = split_seed
+        self.train_index, self.val_index = stratified_split(pool_y, val_size, split_seed)
+        self.train_x, self.train_y = pool_x[self.train_index], pool_y[self.train_index]
+        self.val_x, self.val_y = pool_x[self.val_index], pool_y[self.val_index]
         self.test_x, self.test_y = load_images(data, "test", test_subset, image_size, "CIFAR-10", HOW)
         self.crop_padding = crop_padding
         self.flip = flip

@@ -4,7 +4,9 @@ Data: `task.data` is an ImageFolder root with `train/<class>/*` and `val/<class>
 `$DISTLION_DATA` when relative), or `hub:<id>` (e.g. `hub:ILSVRC/imagenet-1k`, columns `image` and
 `label`) when online. Images are decoded per batch (ImageNet does not fit a decoded cache); the timm
 transform of each image draws from RNGs seeded by the step's generator, so a batch is still a pure
-function of (seed, step). Metrics: top-1 (`eval_accuracy`) and top-5 (`eval_top5`) accuracy.
+function of (seed, step). Splits: validation is `val_size` images of the training split held out
+(stratified by class, drawn with `split_seed`), test is the official validation set (ImageNet's test labels
+are not public). Metrics: top-1 (`test_accuracy`, `val_accuracy`) and top-5 (`test_top5`, `val_top5`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Metric, Task
+from distlion.tasks.base import Metric, Task, split_metrics, stratified_split
 from distlion.tasks.cifar10 import check_image_model, mixup_pairs
 from distlion.tasks.data import hub_id, is_hub_id, missing_data_error, resolve_path, seeded_host_rngs
 
@@ -25,11 +27,17 @@ HOW = "ImageNet-1k as an ImageFolder tree (train/<wnid>/*.JPEG, val/<wnid>/*.JPE
 
 
 class ImageNetTask(Task):
-    """`num_classes` is read from the data and passed to the model; `eval_subset` evaluates on that many
-    evenly spaced validation images (None = all)."""
+    """`num_classes` is read from the data and passed to the model; `val_examples` evaluates on that many
+    evenly spaced validation images during training (None = all)."""
 
-    # Evaluated on `val_split`: ImageNet's test labels are not public, so this is validation accuracy.
-    metrics = (
+    metrics = split_metrics((
+        Metric("accuracy", "{} top-1 (%)", "test", higher_is_better=True, scale=100.0, decimals=2),
+        Metric("top5", "{} top-5 (%)", "test", higher_is_better=True, scale=100.0, decimals=2),
+        Metric("loss", "{} loss (nats)", "test", higher_is_better=False),
+    ))
+    objective = "val_accuracy"
+    # Before the held-out slice of train existed, the official val set was evaluated as "validation".
+    legacy_metrics = (
         Metric("eval_accuracy", "validation top-1 (%)", "validation", higher_is_better=True, scale=100.0, decimals=2),
         Metric("eval_top5", "validation top-5 (%)", "validation", higher_is_better=True, scale=100.0, decimals=2),
         Metric("eval_loss", "validation loss (nats)", "validation", higher_is_better=False),
@@ -41,13 +49,15 @@ class ImageNetTask(Task):
         data: str = "imagenet",
         image_size: int = 224,
         train_split: str = "train",
-        val_split: str = "val",
+        test_split: str = "val",
+        val_size: int = 10000,
+        split_seed: int = 0,
+        val_examples: int | None = None,
         label_smoothing: float = 0.1,
         auto_augment: str | None = "rand-m9-mstd0.5-inc1",
         re_prob: float = 0.25,
         mixup: float = 0.8,
         cutmix: float = 1.0,
-        eval_subset: int | None = None,
         eval_batch_size: int = 256,
         eval_workers: int = 0,
     ):
@@ -58,16 +68,16 @@ class ImageNetTask(Task):
         self.label_smoothing = label_smoothing
         self.eval_batch_size = eval_batch_size
         self.eval_workers = eval_workers
-        self.train_set, self.num_classes = _image_source(data, train_split)
-        self.val_set, _ = _image_source(data, val_split)
+        self.val_examples = val_examples
+        self.split_seed = split_seed
+        pool, self.num_classes, labels = _image_source(data, train_split)
+        self.train_index, self.val_index = stratified_split(labels, val_size, split_seed)
+        self.train_set = torch.utils.data.Subset(pool, self.train_index.tolist())
+        self.val_set = torch.utils.data.Subset(pool, self.val_index.tolist())
+        self.test_set, _, _ = _image_source(data, test_split)
         self.train_transform = create_transform(image_size, is_training=True, auto_augment=auto_augment,
                                                 re_prob=re_prob, interpolation="bicubic")
         self.eval_transform = create_transform(image_size, is_training=False, interpolation="bicubic")
-        if eval_subset is not None and eval_subset < len(self.val_set):
-            step = len(self.val_set) / eval_subset
-            self.eval_indices = [int(i * step) for i in range(eval_subset)]
-        else:
-            self.eval_indices = list(range(len(self.val_set)))
         self.mixup = None
         if mixup > 0 or cutmix > 0:
             from timm.data import Mixup
@@ -78,6 +88,15 @@ class ImageNetTask(Task):
     @property
     def num_train(self) -> int:
         return len(self.train_set)
+
+    @property
+    def splits(self) -> dict[str, Any]:
+        return {"train": len(self.train_set), "validation": len(self.val_set), "test": len(self.test_set),
+                "unit": "images", "seed": self.split_seed, "stratified": True}
+
+    def split_source(self, split: str) -> torch.utils.data.Dataset:
+        """The (PIL image, label) data set of "validation" or "test": the one place evaluation reads them."""
+        return self.val_set if split == "validation" else self.test_set
 
     def build_model(self) -> nn.Module:
         return hydra.utils.instantiate(self.model_cfg, num_classes=self.num_classes)
@@ -99,12 +118,9 @@ class ImageNetTask(Task):
             return F.cross_entropy(model(inputs), targets, reduction="none")
         return F.cross_entropy(model(inputs), targets, reduction="none", label_smoothing=self.label_smoothing)
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
+    def measure(self, model: nn.Module, split: str, indices: torch.Tensor) -> dict[str, float]:
         loader = torch.utils.data.DataLoader(
-            torch.utils.data.Subset(_Transformed(self.val_set, self.eval_transform), self.eval_indices),
+            torch.utils.data.Subset(_Transformed(self.split_source(split), self.eval_transform), indices.tolist()),
             batch_size=self.eval_batch_size, num_workers=self.eval_workers)
         loss_sum, top1, top5 = 0.0, 0, 0
         for x, y in loader:
@@ -113,9 +129,8 @@ class ImageNetTask(Task):
             best = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
             top1 += (best[:, 0] == y).sum().item()
             top5 += (best == y[:, None]).any(dim=-1).sum().item()
-        model.train(was_training)
-        n = len(self.eval_indices)
-        return {"eval_loss": loss_sum / n, "eval_accuracy": top1 / n, "eval_top5": top5 / n}
+        n = len(indices)
+        return {"loss": loss_sum / n, "accuracy": top1 / n, "top5": top5 / n}
 
 
 class _Transformed(torch.utils.data.Dataset):
@@ -145,19 +160,19 @@ class _HubImages(torch.utils.data.Dataset):
 
 
 def _image_source(spec: str, split: str):
-    """(data set of (PIL image, label), number of classes) for one split."""
+    """(data set of (PIL image, label), number of classes, labels) for one split."""
     if is_hub_id(spec):
         import datasets
 
         ds = datasets.load_dataset(hub_id(spec), split=split)
-        return _HubImages(ds), ds.features["label"].num_classes
+        return _HubImages(ds), ds.features["label"].num_classes, ds["label"]
     from torchvision.datasets import ImageFolder
 
     root = resolve_path(spec, "ImageNet", HOW) / split
     if not root.is_dir():
         raise missing_data_error(root, f"ImageNet ({split} split)", HOW)
     folder = ImageFolder(str(root))
-    return folder, len(folder.classes)
+    return folder, len(folder.classes), folder.targets
 
 
 @contextmanager

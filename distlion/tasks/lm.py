@@ -4,7 +4,11 @@ Model: `transformers.LlamaForCausalLM` (RMSNorm, RoPE, SwiGLU), random init, bui
 with the tokenizer's vocabulary size. Data: `task.data` is a folder holding `<split>-*.parquet`
 (a `text` column, one document per row) or `<split>.txt` for the splits `train` and `validation`
 (Tiny Shakespeare and the Gutenberg books in `$DISTLION_DATA/text/`), a single .txt/.parquet file (its
-last `val_fraction` becomes validation), or `hub:<id>` (e.g. `hub:Skylion007/openwebtext`) when online.
+last `test_fraction` is held out), or `hub:<id>` (e.g. `hub:Skylion007/openwebtext`) when online.
+
+Splits: the data's held-out text (the `validation` files) is the test split. Validation is carved from the
+training text: the last `val_fraction` of each training document, a contiguous slice before the text the
+model trains on ends, so it never overlaps the test text. The tokenizer is trained on the train split only.
 
 Documents are tokenized (see `distlion.tasks.tokenizer`), joined with an end-of-text token, and cut
 into blocks of `block_size + 1` tokens: example i is block i (inputs = its first `block_size` tokens,
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Metric, Task
+from distlion.tasks.base import Metric, Task, split_metrics
 from distlion.tasks.data import (
     atomic_save,
     cache_dir,
@@ -46,13 +50,21 @@ def build_llama(vocab_size: int, **config: Any) -> nn.Module:
 
 
 class LanguageModelTask(Task):
-    """Next-token prediction; metric: validation loss (nats/token), also perplexity = exp(loss).
+    """Next-token prediction; metrics: loss (nats/token) and perplexity = exp(loss) of each held-out split.
 
     `unigram_entropy` (nats/token of the tokenizer's training data) is the loss of the best model that
     ignores context: the reference line a trained model must fall well below.
     """
 
     metrics = (
+        *split_metrics((Metric("loss", "{} loss (nats/token)", "test", higher_is_better=False),
+                        Metric("perplexity", "{} perplexity", "test", higher_is_better=False))),
+        Metric("unigram_entropy", "unigram entropy of the tokenizer's training data", "train",
+               higher_is_better=False, decimals=3, reference=True, reference_for="test_loss",
+               note="nats/token (the loss of the best model that ignores context)"),
+    )
+    objective = "val_loss"
+    legacy_metrics = (
         Metric("eval_loss", "validation loss (nats/token)", "validation", higher_is_better=False),
         Metric("eval_perplexity", "validation perplexity", "validation", higher_is_better=False),
         Metric("unigram_entropy", "unigram entropy of the tokenizer's training data", "train",
@@ -69,37 +81,50 @@ class LanguageModelTask(Task):
         vocab_size: int = 1024,
         max_chars: int | None = None,
         val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
         random_offset: bool = True,
-        eval_blocks: int | None = 64,
+        val_examples: int | None = 64,
         eval_batch_size: int = 16,
     ):
         super().__init__(model)
         self.block_size = block_size
         self.random_offset = random_offset
         self.eval_batch_size = eval_batch_size
-        train_texts, val_texts = load_texts(data, val_fraction)
+        self.val_examples = val_examples
+        self.val_fraction = val_fraction
+        train_texts, test_texts = load_texts(data, test_fraction)
         if max_chars is not None:
-            train_texts, val_texts = _truncate(train_texts, max_chars), _truncate(val_texts, max_chars)
+            train_texts, test_texts = _truncate(train_texts, max_chars), _truncate(test_texts, max_chars)
+        train_texts, val_texts = carve_validation(train_texts, val_fraction)
         self.tokenizer = build_tokenizer(tokenizer, vocab_size, train_texts)
         self.train_ids = self._token_ids(train_texts)
         self.val_ids = self._token_ids(val_texts)
+        self.test_ids = self._token_ids(test_texts)
         counts = torch.bincount(self.train_ids.long(), minlength=self.tokenizer.vocab_size).double()
         p = counts[counts > 0] / counts.sum()
         self.unigram_entropy = float(-(p * p.log()).sum())
         #: Tokens each example contributes (the runner's tokens/s = examples/s * this).
         self.tokens_per_example = block_size
-        num_val = (len(self.val_ids) - 1) // block_size
-        self.num_eval_blocks = num_val if eval_blocks is None else min(eval_blocks, num_val)
         # A random start offset needs one block of slack at the end of the text.
         self._num_train = (len(self.train_ids) - 1) // block_size - int(random_offset)
-        if self._num_train < 1 or self.num_eval_blocks < 1:
-            raise ValueError(f"the text is too short for task.block_size={block_size}: "
-                             f"{len(self.train_ids)} train / {len(self.val_ids)} validation tokens; "
+        self._num_blocks = {split: (len(self.split_ids(split)) - 1) // block_size for split in ("validation", "test")}
+        if self._num_train < 1 or min(self._num_blocks.values()) < 1:
+            raise ValueError(f"the text is too short for task.block_size={block_size}: {len(self.train_ids)} train / "
+                             f"{len(self.val_ids)} validation / {len(self.test_ids)} test tokens; "
                              "lower block_size or raise max_chars")
 
     @property
     def num_train(self) -> int:
         return self._num_train
+
+    @property
+    def splits(self) -> dict[str, Any]:
+        return {"train": self._num_train, **self._num_blocks, "unit": f"blocks of {self.block_size} tokens",
+                "val_fraction": self.val_fraction}
+
+    def split_ids(self, split: str) -> torch.Tensor:
+        """Token ids of "validation" or "test": the one place evaluation reads them."""
+        return self.val_ids if split == "validation" else self.test_ids
 
     def _token_ids(self, texts: list[str]) -> torch.Tensor:
         """Token ids of the documents joined by end-of-text, cached by tokenizer and text."""
@@ -131,29 +156,28 @@ class LanguageModelTask(Task):
         logits = model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Mean token loss over the first `eval_blocks` non-overlapping validation blocks."""
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        for start in range(0, self.num_eval_blocks, self.eval_batch_size):
-            index = torch.arange(start, min(start + self.eval_batch_size, self.num_eval_blocks))
-            blocks = self.val_ids[index[:, None] * self.block_size + torch.arange(self.block_size + 1)].long()
+    def measure(self, model: nn.Module, split: str, indices: torch.Tensor) -> dict[str, float]:
+        """Mean token loss over the non-overlapping blocks `indices` of the split."""
+        ids, total = self.split_ids(split), 0.0
+        for batch in indices.split(self.eval_batch_size):
+            blocks = ids[batch[:, None] * self.block_size + torch.arange(self.block_size + 1)].long()
             total += self.per_example_loss(model, blocks[:, :-1], blocks[:, 1:]).sum().item()
-        model.train(was_training)
-        loss = total / self.num_eval_blocks
-        return {"eval_loss": loss, "eval_perplexity": math.exp(loss), "unigram_entropy": self.unigram_entropy}
+        loss = total / len(indices)
+        return {"loss": loss, "perplexity": math.exp(loss)}
+
+    def references(self) -> dict[str, float]:
+        return {"unigram_entropy": self.unigram_entropy}
 
 
-def load_texts(spec: str, val_fraction: float) -> tuple[list[str], list[str]]:
-    """(train documents, validation documents) from a folder, a single file or `hub:<id>`."""
+def load_texts(spec: str, test_fraction: float) -> tuple[list[str], list[str]]:
+    """(train documents, held-out test documents) from a folder (its `validation` files are the test split),
+    a single file (its last `test_fraction`) or `hub:<id>`."""
     if is_hub_id(spec):
-        return _hub_texts(hub_id(spec), val_fraction)
+        return _hub_texts(hub_id(spec), test_fraction)
     path = resolve_path(spec, "text data", HOW)
     if path.is_file():
         text = "\n\n".join(_read(path))
-        cut = int(len(text) * (1 - val_fraction))
+        cut = int(len(text) * (1 - test_fraction))
         return [text[:cut]], [text[cut:]]
     splits = []
     for split in ("train", "validation"):
@@ -172,14 +196,24 @@ def _read(path: Path) -> list[str]:
     return [path.read_text(encoding="utf-8")]
 
 
-def _hub_texts(name: str, val_fraction: float) -> tuple[list[str], list[str]]:
+def _hub_texts(name: str, test_fraction: float) -> tuple[list[str], list[str]]:
     import datasets
 
     ds = datasets.load_dataset(name)
     if "validation" not in ds:  # e.g. OpenWebText ships one split
-        ds = ds["train"].train_test_split(test_size=val_fraction, seed=0)
+        ds = ds["train"].train_test_split(test_size=test_fraction, seed=0)
         ds["validation"] = ds.pop("test")
     return ds["train"]["text"], ds["validation"]["text"]
+
+
+def carve_validation(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(train documents, validation documents): the last `fraction` of each document's characters is held
+    out, so validation is contiguous text from every document (every book of a collection) and disjoint
+    from the train text by position."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"task.val_fraction={fraction} must be between 0 and 1")
+    cuts = [int(len(t) * (1 - fraction)) for t in texts]
+    return [t[:c] for t, c in zip(texts, cuts, strict=True)], [t[c:] for t, c in zip(texts, cuts, strict=True)]
 
 
 def _truncate(texts: list[str], max_chars: int) -> list[str]:
