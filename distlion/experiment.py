@@ -5,6 +5,10 @@ one `python -m distlion.train -m ...` into `runs/<name>/`, where every grid poin
 rerunning the same command skips finished runs and resumes killed ones. Then the report (tables, CSVs,
 plots) is written into `results/<name>/` with the command that made it.
 
+A spec with a `tuning:` section (see `distlion.tuning`) tunes first with `--tune` (or only tunes, with
+`--tune-only`): its trials run into `runs/<name>/tuning/`, the chosen settings are written into
+`conf/tuned/`, and its sweeps, the final runs, then run into `runs/<name>/final/` with them.
+
 A failing grid point does not stop the others: it is recorded with its reason, the report is built
 from the finished runs and lists it, and the command exits 1. A second copy of a running spec skips
 the points the first one holds. Each sweep runs in its own process group under a small group leader
@@ -17,6 +21,7 @@ import argparse
 import fcntl
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +33,10 @@ from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
 from distlion.report import write_report
+from distlion.tuning import SpecError, parse_tuning, trial_spec, write_tuning
 
 REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
 
 
 def load_spec(name_or_path: str) -> tuple[Path, dict]:
@@ -69,6 +76,14 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
+def with_config_dir(command: list[str], conf_dir: Path) -> list[str]:
+    """The command reading its configs from `conf_dir` (a copy of conf/) instead of conf/. Hydra's --config-path:
+    its --config-dir is searched after conf/, whose tuned files would then win."""
+    if conf_dir.resolve() == CONF:
+        return command
+    return [*command[:3], "--config-path", str(conf_dir.resolve()), *command[3:]]
+
+
 def run_sweep(command: list[str]) -> int:
     """Run one sweep's command in its own process group; its exit status. The group ends with the driver:
     on Ctrl-C, SIGTERM (see `main`) or an error here at once, on SIGKILL through the group leader."""
@@ -96,6 +111,19 @@ def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through run_sweep, which ends the sweep's group
 
 
+def _run_sweeps(commands: list[list[str]]) -> int:
+    """Run the sweeps one after another; how many ended with an error. Ctrl-C or SIGTERM ends the running one."""
+    failed = 0
+    try:
+        for command in commands:
+            print("+", shlex.join(command[1:]), flush=True)
+            failed += run_sweep(command) != 0
+    except KeyboardInterrupt:
+        print("distlion: stopped; rerun the same command to go on: finished runs are skipped", file=sys.stderr)
+        sys.exit(130)
+    return failed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run an experiment spec, then write its tables and plots.")
     parser.add_argument("spec", help="a spec name in experiments/ or a path to one")
@@ -105,22 +133,51 @@ def main() -> None:
                         help="grid points run at once (Hydra's joblib launcher); each run uses train.threads")
     parser.add_argument("--out", type=Path, default=REPO,
                         help="base folder of runs/<name>/ and results/<name>/ (default: the repository)")
+    parser.add_argument("--tune", action="store_true",
+                        help="run the spec's tuning first, write the chosen settings into conf/tuned/, then the runs")
+    parser.add_argument("--tune-only", action="store_true", help="only the tuning: trials, tuning.md, conf/tuned/")
+    parser.add_argument("--accept-edge", action="store_true",
+                        help="write back a chosen point on the edge of its grid (else: widen the grid)")
+    parser.add_argument("--conf-dir", type=Path, default=CONF,
+                        help="config folder of every run, whose tuned/ the tuning writes (default: conf/; another "
+                             "folder starts as a copy of conf/)")
     args = parser.parse_args()
     path, spec = load_spec(args.spec)
-    runs_dir, results_dir = args.out.resolve() / "runs" / spec["name"], args.out.resolve() / "results" / spec["name"]
+    try:
+        tuning = parse_tuning(spec) if "tuning" in spec or args.tune or args.tune_only else None
+    except SpecError as err:
+        raise SystemExit(f"distlion: error: {path.name}: {err}") from None
+    base_dir, results_dir = args.out.resolve() / "runs" / spec["name"], args.out.resolve() / "results" / spec["name"]
+    # With a tuning section the trials and the final runs sit side by side, and the report reads the final ones.
+    runs_dir = base_dir / "final" if tuning is not None else base_dir
+    trials_dir = base_dir / "tuning"
+    shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+                        *args.overrides, *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])
+    launcher = [] if args.jobs <= 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
     failed_sweeps = 0
     if not args.report_only:
         signal.signal(signal.SIGTERM, _stop)
-        launcher = [] if args.jobs <= 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
+        if args.conf_dir.resolve() != CONF and not (args.conf_dir / "config.yaml").exists():
+            shutil.copytree(CONF, args.conf_dir, dirs_exist_ok=True)  # a copy whose tuned/ the tuning rewrites
+    if tuning is not None and (args.tune or args.tune_only or args.report_only):
+        if not args.report_only:
+            commands = sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir)
+            _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])  # failed trials are listed
+        flags = ["--tune-only" if args.tune_only else "--tune", *(["--accept-edge"] if args.accept_edge else [])]
         try:
-            for command in sweep_commands(spec, args.overrides + launcher, runs_dir):
-                print("+", shlex.join(command[1:]), flush=True)
-                failed_sweeps += run_sweep(command) != 0
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the running sweep has ended
-            print("distlion: stopped; rerun the same command to go on: finished runs are skipped", file=sys.stderr)
-            sys.exit(130)
-    shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
-                        *args.overrides, *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])
+            with report_lock(base_dir):
+                write_tuning(spec, tuning, trials_dir, results_dir, f"{shown} {shlex.join(flags)}",
+                             None if args.report_only else args.conf_dir / "tuned", args.accept_edge)
+            print(f"tuning reported in {results_dir / 'tuning.md'}")
+        except (FileNotFoundError, SpecError) as err:
+            print(f"distlion: error: {err}", file=sys.stderr)
+            if not args.report_only:
+                sys.exit(1)
+        if args.tune_only:
+            return
+    if not args.report_only:
+        commands = sweep_commands(spec, args.overrides + launcher, runs_dir)
+        failed_sweeps += _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])
     report = spec.get("report", {})
     with report_lock(runs_dir):
         failures = read_failures(runs_dir)

@@ -7,7 +7,12 @@ name every one of them. The numbers are the task's declared metrics (`Task.metri
 metric) first, each titled with its split. Writes a Markdown table, CSVs of every run and every
 evaluation, PNG plots (the final headline metric against bits per parameter per iteration and the
 number of workers; the validation metric logged during training against cumulative communicated bits
-per parameter and training steps; the train loss) and a static HTML page.
+per parameter and training steps; the train loss: mean over seeds with a ±1 std band) and a static HTML page.
+
+Time to target: each task names a validation target (`target` in conf/task/<task>.yaml, recorded in a run's
+config.yaml; a spec or `--target` may override it). For every run, the step, wall time and cumulative bits
+per parameter at its first validation evaluation that reaches it (`first_reaching`), and per group their
+mean ± std over the seeds that reached it, counting those that did not.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import argparse
 import csv
 import html
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +35,7 @@ from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
 from distlion.methods import label_order, method_label
-from distlion.tasks import Metric, task_metrics, task_name
+from distlion.tasks import TASK_CONFIGS, Metric, task_metrics, task_name
 from distlion.tasks.base import quantity
 
 matplotlib.use("Agg")
@@ -67,7 +74,11 @@ def load_runs(root: Path) -> list[Run]:
                           else task_metrics(run["task"], legacy=True))
         run["task"] = task_name(run["task"])
         config = path.parent / "config.yaml"
-        run["data"] = OmegaConf.load(config).get("task", {}).get("data") if config.exists() else None
+        task_cfg = OmegaConf.load(config).get("task", {}) if config.exists() else {}
+        run["data"] = task_cfg.get("data")
+        run["val_examples"] = task_cfg.get("val_examples")
+        target = task_cfg.get("target")
+        run["config_target"] = OmegaConf.to_container(target) if target is not None else None
         runs.append(run)
     if not runs:
         raise FileNotFoundError(f"no finished run (summary.json) under {root}; run the sweep first")
@@ -163,6 +174,10 @@ def _values(members: Iterable[Run], key: str) -> list[float]:
     return [m[key] for m in members if m.get(key) is not None]
 
 
+def _mean(members: list[Run], key: str) -> float:
+    return statistics.mean(m[key] for m in members)
+
+
 def references(runs: list[Run], drawn_on: str | None = None) -> list[tuple[Metric, float]]:
     """(reference metric, value) of the runs, e.g. the unigram entropy; only those drawn on the metric
     `drawn_on` (or on the same quantity of another split) if given."""
@@ -172,7 +187,8 @@ def references(runs: list[Run], drawn_on: str | None = None) -> list[tuple[Metri
 
 
 def markdown_table(runs: list[Run]) -> str:
-    """One row per group: the settings, every declared score (mean ± std over seeds), n, bits, steps, time."""
+    """One row per group: the settings, every declared score (mean ± std over seeds), n, and the mean bits
+    (the sparse methods' differ across seeds), steps and wall time."""
     scores = [m for m in report_metrics(runs) if not m.reference]
     keys = varying_keys(runs)
     extra = [k for k in keys if k not in ALWAYS_NAMED]
@@ -184,9 +200,9 @@ def markdown_table(runs: list[Run]) -> str:
         r = members[0]
         cells = [r["label"], r["workers"], r["per_worker_batch"], *(_column(k, _value(r, k)) for k in extra),
                  *(_fmt(m, _values(members, m.key)) for m in scores), len(members),
-                 f"{r['bits_up_per_param_per_iter']:.3f}", f"{r['bits_down_per_param_per_iter']:.3f}",
-                 f"{r['bits_per_param_per_iter']:.3f}", f"{statistics.mean(m['total_bits'] for m in members):.3e}",
-                 r["steps"], f"{statistics.mean(m['wall_time'] for m in members) / 60:.1f}"]
+                 *(f"{_mean(members, key):.3f}" for key in ("bits_up_per_param_per_iter",
+                                                            "bits_down_per_param_per_iter", "bits_per_param_per_iter")),
+                 f"{_mean(members, 'total_bits'):.3e}", r["steps"], f"{_mean(members, 'wall_time') / 60:.1f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     for m, value in references(runs):
         note = f" {m.note}" if m.note else ""
@@ -206,6 +222,176 @@ def pivot_table(runs: list[Run], columns: str = "workers") -> str:
         cells = [[m for m in members if _value(m, columns) == v] for v in values]
         shown = [f"{_fmt(metric, _values(c, metric.key))} (n={len(c)})" if c else "—" for c in cells]
         lines.append(f"| {legend_text(keys, row)} | {' | '.join(shown)} |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A validation result to reach (AlgoPerf's question asked of the paper's bits): `metric` (a validation
+    metric key; None = the task's objective) at least `value`, or at most when lower is better. `value`
+    None: no target set yet. `source` says how the value was obtained."""
+
+    metric: str | None = None
+    value: float | None = None
+    source: str = ""
+
+    @classmethod
+    def of(cls, setting: Target | Mapping[str, Any], where: str = "target") -> Target:
+        """A target from a config mapping ({metric, value, source}); one clear error for anything else."""
+        if isinstance(setting, Target):
+            return setting
+        if not isinstance(setting, Mapping):
+            raise ValueError(f"{where}={setting!r} must be a mapping {{metric, value, source}}")
+        unknown = set(setting) - {"metric", "value", "source"}
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; it takes metric, value and source")
+        value = setting.get("value")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value)):
+            raise ValueError(f"{where}.value={value!r} must be a finite number, or null for none set")
+        return cls(setting.get("metric"), None if value is None else float(value), str(setting.get("source") or ""))
+
+
+def first_reaching(curve: list[dict[str, Any]], metric: str, value: float,
+                   higher_is_better: bool) -> dict[str, Any] | None:
+    """The first logged point whose `metric` reaches `value` (>= it, or <= when lower is better): its step,
+    epoch, wall time, cumulative bits per parameter and metric value; None if no point does (a NaN never does)."""
+    for point in curve:
+        if metric not in point:
+            continue  # a train-metric line between evaluations
+        if point[metric] >= value if higher_is_better else point[metric] <= value:
+            return {"step": point.get("step"), "epoch": point.get("epoch"), "wall_time": point.get("wall_time"),
+                    "cum_bits_per_param": point.get("cum_bits_per_param"), metric: point[metric]}
+    return None
+
+
+def _config_target(task: str) -> dict[str, Any] | None:
+    """The `target` of conf/task/<task>.yaml as it is now (for runs made before targets were recorded)."""
+    path = TASK_CONFIGS / f"{task}.yaml"
+    target = OmegaConf.load(path).get("target") if path.exists() else None
+    return OmegaConf.to_container(target) if target is not None else None
+
+
+def task_targets(runs: list[Run], target: Target | Mapping[str, Any] | None = None) -> dict[str, Target]:
+    """The target of each task of `runs`: `target` if given (a spec's or the command line's), else the one the
+    runs' config.yaml recorded (`task.target`), else the task's config as it is now. Runs from before the
+    validation split have none. A target's metric must be a validation metric the runs declare."""
+    targets = {}
+    for task in sorted({r["task"] for r in runs}):
+        members = [r for r in runs if r["task"] == task]
+        if target is not None:
+            chosen = Target.of(target)
+        elif any("objective" not in r for r in members):
+            continue  # summaries from before the validation split: no validation curve to read
+        else:
+            recorded = {json.dumps(t, sort_keys=True): t for r in members
+                        if (t := r["config_target"]) is not None and t.get("value") is not None}
+            if len(recorded) > 1:
+                raise ValueError(f"the {task} runs recorded different targets ({', '.join(recorded)}); "
+                                 "pass one (write_report(target=...) or --target)")
+            setting = next(iter(recorded.values()), None) or _config_target(task)
+            if setting is None:
+                continue
+            chosen = Target.of(setting, where=f"task {task}'s target")
+        metric = chosen.metric or members[0].get("objective") or curve_metric(members).key
+        declared = {m.key: m for m in members[0]["metrics"]}
+        if metric not in declared or declared[metric].split != "validation":
+            valid = sorted(k for k, m in declared.items() if m.split == "validation" and not m.reference)
+            raise ValueError(f"target metric {metric!r} of task {task} is not a validation metric it logs; "
+                             f"choose one of {valid}")
+        targets[task] = Target(metric, chosen.value, chosen.source)
+    return targets
+
+
+def _target_metric(run: Run, target: Target) -> Metric:
+    return next(m for m in run["metrics"] if m.key == target.metric)
+
+
+def reach_targets(runs: list[Run], targets: dict[str, Target]) -> None:
+    """Store in each run with a set target its first point reaching it ("to_target", None if not reached)."""
+    for r in runs:
+        target = targets.get(r["task"])
+        if target is not None and target.value is not None:
+            r["target_metric"], r["target_value"] = target.metric, target.value
+            r["to_target"] = first_reaching(r["curve"], target.metric, target.value,
+                                            _target_metric(r, target).higher_is_better)
+
+
+#: Per-run CSV columns of the time to target (empty when the target is not reached or not set).
+TO_TARGET_COLUMNS = {"steps_to_target": "step", "wall_time_to_target": "wall_time",
+                     "bits_to_target": "cum_bits_per_param"}
+
+
+def _mean_std(values: list[float], spec: str) -> str:
+    """Mean ± sample std (the value alone for one), "not reached" for none."""
+    if not values:
+        return "not reached"
+    if len(values) == 1:
+        return format(values[0], spec)
+    return f"{format(statistics.mean(values), spec)} ± {format(statistics.stdev(values), spec)}"
+
+
+def _target_text(task: str, target: Target, metric: Metric) -> str:
+    value = f"{metric.scale * target.value:.{metric.decimals}f}" if target.value is not None else "none set yet"
+    sign = "≥" if metric.higher_is_better else "≤"
+    source = f" ({target.source.strip()})" if target.source.strip() else ""
+    return f"{task}: {metric.display} {sign} {value}{source}"
+
+
+def _evaluations_text(runs: list[Run], targets: dict[str, Target]) -> str:
+    """How finely the runs' evaluations resolve the time to target, and on how much of the validation split."""
+    fractions = []
+    for r in runs:
+        steps = [p["step"] for p in r["curve"] if targets[r["task"]].metric in p and "step" in p]
+        if steps and r.get("steps"):
+            fractions.append(max(b - a for a, b in zip([0, *steps], steps)) / r["steps"])
+    text = ""
+    if fractions:
+        low, high = f"{100 * min(fractions):.3g}%", f"{100 * max(fractions):.3g}%"
+        text += f" Evaluations every {low if low == high else f'{low} to {high}'} of a run"
+        text += (" (`train.num_evals` or `train.eval_every`): a run reached the target between the evaluation"
+                 " given and the one before.")
+    subsets = set()
+    for r in runs:
+        if r.get("splits"):
+            size = f"{r['splits']['validation']:,} {r['splits'].get('unit', 'examples')}"
+            examples = r.get("val_examples")
+            subsets.add(f"{examples} evenly spaced validation examples of the {size} (`task.val_examples`), "
+                        "the last evaluation on all" if examples else f"all {size} of the validation split")
+    if subsets:
+        text += f" Each evaluated on {'; '.join(sorted(subsets))}."
+    return text
+
+
+def time_to_target_table(runs: list[Run], targets: dict[str, Target]) -> str:
+    """Per group: n, how many seeds reached the target, and the step, wall time and cumulative bits per
+    parameter at their first evaluation reaching it (mean ± std over those seeds). Call `reach_targets` first."""
+    if not targets:
+        return ""
+    texts = [_target_text(task, t, _target_metric(next(r for r in runs if r["task"] == task), t))
+             for task, t in targets.items()]
+    lines = [f"Time to target, on the validation split. Target: {'; '.join(texts)}."]
+    if all(t.value is None for t in targets.values()):
+        return lines[0] + " Set `target.value` in the task's config (or a spec's `report.target`).\n"
+    reached_runs = [r for r in runs if "to_target" in r]
+    lines[0] += (" Per group: the step, wall time (evaluations included) and cumulative bits per parameter"
+                 " communicated per worker (up + down) at a run's first validation evaluation that reaches the"
+                 " target, mean ± std over the seeds that reached it; \"reached\" counts them out of n."
+                 + _evaluations_text(reached_runs, targets) + "\n")
+    keys = varying_keys(runs)
+    extra = [k for k in keys if k not in ALWAYS_NAMED]
+    header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
+              "n", "reached", "step", "wall time (s)", "bits/param (cumulative)"]
+    lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for members in group_runs(reached_runs, keys).values():
+        r, n = members[0], len(members)
+        hits = [m["to_target"] for m in members if m["to_target"] is not None]
+        reached = f"{len(hits)}/{n}" + (f" ({n - len(hits)}/{n} not reached)" if len(hits) < n else "")
+        cells = [r["label"], r["workers"], r["per_worker_batch"], *(_column(k, _value(r, k)) for k in extra), n,
+                 reached, _mean_std([h["step"] for h in hits], ".0f"),
+                 _mean_std([h["wall_time"] for h in hits], ".1f"),
+                 _mean_std([h["cum_bits_per_param"] for h in hits], ",.1f")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -239,12 +425,15 @@ def write_csv(runs: list[Run], path: Path) -> None:
     names no machine's paths."""
     fields = [*_csv_settings(runs), "seed", "steps", "epochs", *(m.key for m in report_metrics(runs)),
               "bits_up_per_param_per_iter", "bits_down_per_param_per_iter", "bits_per_param_per_iter",
-              "cum_bits_per_param", "total_bits", "num_params", "wall_time", "config_hash", "git_sha", "run_dir"]
+              "cum_bits_per_param", "total_bits", "num_params", "wall_time", "target_metric", "target_value",
+              *TO_TARGET_COLUMNS, "config_hash", "git_sha", "run_dir"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(fields)), extrasaction="ignore")
         writer.writeheader()
         for r in _run_order(runs):
-            writer.writerow({**r, "run_dir": os.path.relpath(r["run_dir"], path.parent)})
+            reached = r.get("to_target") or {}
+            writer.writerow({**r, **{column: reached.get(key) for column, key in TO_TARGET_COLUMNS.items()},
+                             "run_dir": os.path.relpath(r["run_dir"], path.parent)})
 
 
 def write_evals_csv(runs: list[Run], path: Path) -> None:
@@ -294,19 +483,43 @@ def _save(fig: Any, ax: Axes, path: Path, xlabel: str, ylabel: str) -> Axes:
     return ax
 
 
+def mean_curve(members: list[Run], x: str, y: str) -> tuple[list[float], list[float], list[float]]:
+    """The seeds' curves aligned on their logged steps: (mean x, mean y, sample std of y, 0 for one seed) at
+    every step at which all seeds logged both. Aligned on the step, not on x, because x may differ across
+    seeds at one step (cumulative bits of the sparse methods) and their points would then never coincide."""
+    per_seed = [{p["step"]: (p[x], p[y]) for p in m["curve"] if x in p and y in p and "step" in p} for m in members]
+    steps = sorted(set.intersection(*(set(points) for points in per_seed))) if per_seed else []
+    xs = [statistics.mean(points[s][0] for points in per_seed) for s in steps]
+    ys = [[points[s][1] for points in per_seed] for s in steps]
+    return xs, [statistics.mean(v) for v in ys], [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ys]
+
+
+def _seeds_note(groups: dict[tuple, list[Run]], spread: str) -> str:
+    """The plot's title: one seed per group, or the mean over n seeds with its `spread` (band, error bars)."""
+    ns = sorted({len(members) for members in groups.values()})
+    if ns == [1]:
+        return "one seed per group"
+    return f"mean over seeds (n = {', '.join(map(str, ns))} per group), {spread}: ±1 sample std"
+
+
 def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlabel: str, ylabel: str,
                  reference: Metric | None = None, log_x: bool = False) -> Axes:
-    """One line per group through its first seed's logged (x, y) points."""
+    """One line per group: the mean over its seeds, with a ±1 std band when it has more than one."""
     keys = varying_keys(runs)
     groups = group_runs(runs, keys)
     styles = line_styles(keys, groups)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for values, members in groups.items():
-        points = [(p[x], scale * p[y]) for p in members[0]["curve"] if y in p]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, label=legend_text(keys, values), markevery=max(1, len(points) // 10), markersize=4,
-                    lw=1, **styles[values])
+        xs, means, stds = mean_curve(members, x, y)
+        if not xs:
+            continue
+        ys = [scale * v for v in means]
+        ax.plot(xs, ys, label=legend_text(keys, values), markevery=max(1, len(xs) // 10), markersize=4,
+                lw=1, **styles[values])
+        if len(members) > 1:
+            ax.fill_between(xs, [v - scale * e for v, e in zip(ys, stds)], [v + scale * e for v, e in zip(ys, stds)],
+                            color=styles[values]["color"], alpha=0.2, lw=0)
+    ax.set_title(_seeds_note(groups, "band"), fontsize=9)
     if reference is not None:
         _draw_references(ax, runs, reference)
     if log_x:
@@ -315,7 +528,7 @@ def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlab
 
 
 def plot_metric_curves(runs: list[Run], path: Path) -> Axes:
-    """The validation metric logged during training against training steps, one line per group, first seed."""
+    """The validation metric logged during training against training steps, one line per group (mean over seeds)."""
     metric = curve_metric(runs)
     return _plot_curves(runs, path, "step", metric.key, metric.scale, "step", metric.display, reference=metric)
 
@@ -330,12 +543,16 @@ def plot_metric_vs_bits(runs: list[Run], path: Path) -> Axes:
 
 
 def plot_loss_curves(runs: list[Run], path: Path) -> Axes:
-    """Train loss against epochs, one line per group, first seed."""
+    """Train loss against epochs, one line per group (mean over seeds)."""
     return _plot_curves(runs, path, "epoch", "train_loss", 1.0, "epoch", "train loss")
 
 
-def _mean_spread(metric: Metric, members: list[Run]) -> tuple[float, float]:
+def _mean_spread(metric: Metric, members: list[Run]) -> tuple[float, float] | None:
+    """Mean and sample std (0 for one seed) of the seeds' final `metric`; None when no seed has it (a tuning
+    trial skips the test split)."""
     values = [metric.scale * v for v in _values(members, metric.key)]
+    if not values:
+        return None
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
@@ -347,10 +564,14 @@ def plot_metric_vs_bits_per_iter(runs: list[Run], path: Path) -> Axes:
     styles = line_styles(keys, groups)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for values, members in groups.items():
-        mean, spread = _mean_spread(metric, members)
-        ax.errorbar(members[0]["bits_per_param_per_iter"], mean, yerr=spread, capsize=3,
+        if (point := _mean_spread(metric, members)) is None:
+            continue
+        mean, spread = point
+        # The mean bits: the sparse methods' bits differ across seeds.
+        ax.errorbar(statistics.mean(m["bits_per_param_per_iter"] for m in members), mean, yerr=spread, capsize=3,
                     label=legend_text(keys, values), **{**styles[values], "ls": "none"})
     _draw_references(ax, runs, metric)
+    ax.set_title(_seeds_note(groups, "error bars"), fontsize=9)
     ax.set_xscale("log", base=2)
     return _save(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
                  metric.display)
@@ -364,10 +585,13 @@ def plot_metric_vs_workers(runs: list[Run], path: Path) -> Axes:
     styles = line_styles(keys, lines)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for values, members in lines.items():
-        points = [(workers, *_mean_spread(metric, seeds))
-                  for (workers,), seeds in group_runs(members, ["workers"]).items()]
+        points = [(workers, *spread) for (workers,), seeds in group_runs(members, ["workers"]).items()
+                  if (spread := _mean_spread(metric, seeds)) is not None]
+        if not points:
+            continue
         xs, ys, es = zip(*points)
         ax.errorbar(xs, ys, yerr=es, capsize=3, label=legend_text(keys, values), **styles[values])
+    ax.set_title(_seeds_note(group_runs(runs), "error bars"), fontsize=9)
     ax.set_xscale("log", base=2)
     return _save(fig, ax, path, "workers", metric.display)
 
@@ -414,10 +638,14 @@ def failures_list(failures: list[dict[str, Any]]) -> str:
 
 
 def write_report(
-    root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None
+    root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None,
+    target: Target | Mapping[str, Any] | None = None,
 ) -> list[Run]:
-    """Tables, CSVs, plots and a static HTML page for the runs under `root`, written into `out`."""
+    """Tables, CSVs, plots and a static HTML page for the runs under `root`, written into `out`. `target`
+    ({metric, value, source}, e.g. a spec's `report.target`) overrides the targets the runs' configs name."""
     runs = load_runs(root)
+    targets = task_targets(runs, target)
+    reach_targets(runs, targets)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# Results: {out.name}\n"]
     if notes:
@@ -431,6 +659,8 @@ def write_report(
     if columns:
         parts.append(pivot_table(runs, columns))
     parts.append(markdown_table(runs))
+    if targets:
+        parts.append(time_to_target_table(runs, targets))
     parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
     plot_metric_vs_bits_per_iter(runs, out / "metric_vs_bits_per_iter.png")
@@ -467,8 +697,14 @@ def main() -> None:
     parser.add_argument("--notes", default=None, help="a description written at the top of results.md")
     parser.add_argument("--columns", default=None,
                         help="a setting (e.g. workers) for a table with one column per value of it")
+    parser.add_argument("--target", type=float, default=None,
+                        help="a validation target value, over the tasks' configs (e.g. 0.9 for 90%% accuracy)")
+    parser.add_argument("--target-metric", default=None,
+                        help="the validation metric of --target (default: the task's objective, e.g. val_accuracy)")
     args = parser.parse_args()
-    runs = write_report(args.root, args.out, args.command, columns=args.columns, notes=args.notes)
+    target = (Target(args.target_metric, args.target, "given on the command line (--target)")
+              if args.target is not None else None)
+    runs = write_report(args.root, args.out, args.command, columns=args.columns, notes=args.notes, target=target)
     print(markdown_table(runs))
 
 

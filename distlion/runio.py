@@ -26,7 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 # Settings that change where or how a run is reported, not what it computes.
 # train.nonfinite: a run that finished under "error" had no non-finite gradient, so it is the same run
 # under "skip" (a run that skipped steps says so in its summary).
-_NOT_HASHED = ("logger", "experiment", "task.name", "train.progress", "train.log_every",
+# task.target: what the report measures a run against, not what the run computes (a target set later
+# applies to finished runs).
+_NOT_HASHED = ("logger", "experiment", "task.name", "task.target", "train.progress", "train.log_every",
                "train.checkpoint_every", "train.threads", "train.nonfinite")
 
 
@@ -42,6 +44,10 @@ def config_hash(cfg: DictConfig) -> str:
     # a finished fp32 run keeps its hash (master weights only matter below fp32).
     if config.get("train", {}).get("dtype", "float32") == "float32":
         not_hashed += ["train.dtype", "train.master_weights"]
+    # A run with the test evaluation (the default, and every run made before the setting) keeps its hash; a
+    # tuning trial without it is another run, so a final run is never skipped as the trial's finished twin.
+    if config.get("train", {}).get("test_eval", True):
+        not_hashed.append("train.test_eval")
     for dotted in not_hashed:
         *parents, leaf = dotted.split(".")
         node = config

@@ -151,8 +151,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 evaluate = (step + 1) % eval_every == 0 or is_last
                 if evaluate and cluster.is_main:
                     # During training validation only (cheap: `val_examples` of it); the test split once, at the end.
-                    last_eval = (final_evaluation(task, model) if is_last
-                                 else task.evaluate(model, "validation", task.val_examples))
+                    last_eval = (final_evaluation(task, model) if is_last and cfg.train.test_eval
+                                 else task.evaluate(model, "validation", None if is_last else task.val_examples))
                     record.update(last_eval)
                 if evaluate or (step + 1) % cfg.train.log_every == 0:
                     record["wall_time"] = time.time() - start_time

@@ -318,7 +318,8 @@ def test_the_runner_trains_bf16_parameters_on_fp32_masters_and_resumes_them(make
 
 
 def test_settings_added_later_keep_the_hash_of_runs_made_before_them(make_cfg):
-    """A finished fp32 run, made before train.dtype / master_weights / nonfinite existed, is still recognised."""
+    """A finished fp32 run, made before train.dtype / master_weights / nonfinite / test_eval and task.target
+    existed, is still recognised."""
     from omegaconf import OmegaConf, open_dict
 
     from distlion.runio import config_hash
@@ -326,8 +327,9 @@ def test_settings_added_later_keep_the_hash_of_runs_made_before_them(make_cfg):
     cfg = make_cfg("method=dlion_avg")
     older = OmegaConf.create(OmegaConf.to_container(cfg))
     with open_dict(older):
-        for key in ("dtype", "master_weights", "nonfinite"):
+        for key in ("dtype", "master_weights", "nonfinite", "test_eval"):
             del older.train[key]
+        del older.task["target"]
     assert config_hash(cfg) == config_hash(older)
     assert config_hash(make_cfg("method=dlion_avg", "train.dtype=bfloat16")) != config_hash(cfg)
     bf16 = [make_cfg("method=dlion_avg", "train.dtype=bfloat16", f"train.master_weights={m}") for m in (True, False)]

@@ -22,9 +22,10 @@ TASK_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "task"
 
 
 def build_task(cfg: DictConfig, model: Any) -> Task:
-    """The task of a `task` config; its `name` is for reports, not a constructor argument."""
+    """The task of a `task` config; its `name` and `target` are for reports, not constructor arguments."""
     kwargs = OmegaConf.to_container(cfg, resolve=True)
     kwargs.pop("name", None)
+    kwargs.pop("target", None)
     return hydra.utils.instantiate(kwargs, model=model, _recursive_=False)
 
 

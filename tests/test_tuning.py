@@ -1,0 +1,213 @@
+"""Tuning as part of a spec (issue 13): log grids of one density for every method, lr x wd pairs for the
+Lion family, one budget for all, selection by validation and never by test, a loud edge warning, and an
+end-to-end tuning on digits whose trials never evaluate the test split (the evaluation is instrumented)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlion.tuning import Space, SpecError, log_grid, parse_tuning, select, trial_sweeps, write_tuning
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tuning_spec(**section) -> dict:
+    base = {"budget": {"train.steps": 60}, "grid_points_per_decade": 2,
+            "spaces": {"adamw": {"lr": [1e-4, 1e-2], "weight_decay": [1e-3, 1e-1]},
+                       "dlion": {"lr": [1e-5, 1e-3], "lr_x_wd": [1e-5, 1e-4]}}}
+    return {"name": "t", "tuning": {**base, **section}}
+
+
+def test_log_grid_is_log_spaced_with_the_given_density():
+    assert log_grid(1e-4, 1e-2, 2) == (1e-4, 3.16e-4, 1e-3, 3.16e-3, 1e-2)
+    grid = log_grid(1e-3, 1e-1, 3)
+    assert len(grid) == 7
+    ratios = [b / a for a, b in zip(grid, grid[1:])]
+    assert all(math.isclose(r, 10 ** (1 / 3), rel_tol=5e-3) for r in ratios)
+    with pytest.raises(SpecError, match="whole number of grid steps"):
+        log_grid(1e-3, 5e-3, 2)
+
+
+def test_every_method_gets_the_same_density_and_lr_x_wd_pairs():
+    tuning = parse_tuning(tuning_spec())
+    adamw, dlion = tuning.spaces
+    assert adamw.lr == log_grid(1e-4, 1e-2, 2) and adamw.values == log_grid(1e-3, 1e-1, 2)
+    assert len(adamw.points()) == 5 * 5
+    assert dlion.axis == "lr_x_wd" and len(dlion.points()) == 5 * 3
+    for lr, wd in dlion.points():  # weight decay = product / lr, so each product is searched at every lr
+        assert any(math.isclose(lr * wd, p, rel_tol=1e-2) for p in dlion.values)
+    sweeps = trial_sweeps(tuning)
+    assert sweeps[0] == "method=adamw method.lr=0.0001,0.000316,0.001,0.00316,0.01 " \
+                        "method.weight_decay=0.001,0.00316,0.01,0.0316,0.1"
+    assert sweeps[1] == "method=dlion method.lr=1e-05 method.weight_decay=1,3.16,10"  # one sweep per lr
+    assert len(sweeps) == 1 + 5
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"spaces": {"adamw": {"lr": [1e-4, 1e-2], "budget": {"train.steps": 120}}}}, "same for every method"),
+    ({"spaces": {"adamw": {"lr": [1e-4, 1e-2], "train.steps": 120}}}, "same for every method"),
+    ({"spaces": {"adamw": {"lr": [1e-4, 1e-2], "grid_points_per_decade": 4}}}, "same for every method"),
+    ({"trials": 25}, "same number of trials"),
+    ({"objective": "test_accuracy"}, "never by the test split"),
+    ({"budget": {"method.lr": 0.1}}, "set by the tuning itself"),
+    ({"grid_points_per_decade": None}, "common to every method"),
+])
+def test_spec_validation_refuses_unequal_or_dishonest_tuning(section, message):
+    with pytest.raises(SpecError, match=message):
+        parse_tuning(tuning_spec(**section))
+
+
+def summary(method: str, lr: float, val: float, test: float, seed: int = 0, wd: float = 0.1, **extra) -> dict:
+    metrics = [{"key": "test_accuracy", "split": "test", "higher_is_better": True, "scale": 100.0},
+               {"key": "val_accuracy", "split": "validation", "higher_is_better": True, "scale": 100.0},
+               {"key": "val_loss", "split": "validation", "higher_is_better": False, "scale": 1.0}]
+    return {"method": method, "task": "digits", "lr": lr, "method.weight_decay": wd, "seed": seed, "workers": 4,
+            "per_worker_batch": 32, "steps": 60, "wall_time": 2.0, "objective": "val_accuracy", "metrics": metrics,
+            "val_accuracy": val, "test_accuracy": test, "val_loss": 1 - val, "run_dir": f"{method}-{lr}-{seed}",
+            **extra}
+
+
+def test_selection_picks_by_validation_where_test_disagrees():
+    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    runs = [summary("adamw", 1e-4, 0.50, 0.90), summary("adamw", 1e-3, 0.80, 0.60), summary("adamw", 1e-2, 0.70, 0.95),
+            # two seeds at 3.16e-3: the mean (0.75) counts, not the best seed (0.85) nor the test (0.99)
+            summary("adamw", 3.16e-3, 0.85, 0.99), summary("adamw", 3.16e-3, 0.65, 0.99, seed=1)]
+    (choice,) = select(runs, tuning)
+    assert choice.best == (1e-3, 0.1) and choice.objective == "val_accuracy"
+    assert choice.edges == [] and len(choice.runs) == 5 and choice.steps == 300
+
+    loss = parse_tuning(tuning_spec(objective="val_loss", spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    assert select(runs, loss)[0].best == (1e-3, 0.1)  # lower is better for a loss
+
+    tie = [summary("adamw", 1e-3, 0.8, 0.1), summary("adamw", 3.16e-4, 0.8, 0.9)]
+    assert select(tie, tuning)[0].best == (3.16e-4, 0.1)  # a tie: the smaller lr, whatever the order
+
+
+def test_the_best_point_on_the_edge_of_its_grid_is_warned_and_not_written(tmp_path, capsys):
+    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]},
+                                              "dlion": {"lr": [1e-4, 1e-2], "lr_x_wd": [1e-5, 1e-3]}}))
+    dlion = tuning.space("dlion")
+    assert dlion.edges((1e-3, 0.1)) == []  # lr and lr x wd (1e-4) inside their grids
+    assert dlion.edges((1e-3, 0.01)) == ["lr_x_wd=1e-05 is the lowest of its grid"]
+    assert dlion.edges((1e-2, 0.01)) == ["lr=0.01 is the highest of its grid"]
+    trials = tmp_path / "tuning"
+    for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.6), (1e-2, 0.9)]):
+        (trials / str(i)).mkdir(parents=True)
+        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+    spec = {"name": "t"}
+    (choice,) = write_tuning(spec, tuning, trials, tmp_path / "results", "cmd", tmp_path / "tuned")
+    assert choice.edges == ["lr=0.01 is the highest of its grid"]
+    md = (tmp_path / "results" / "tuning.md").read_text()
+    assert "**WARNING: the best point lies on the edge of its grid (lr=0.01 is the highest" in md
+    assert "edge of its grid" in capsys.readouterr().out
+    assert not (tmp_path / "tuned").exists()
+    write_tuning(spec, tuning, trials, tmp_path / "results", "cmd", tmp_path / "tuned", accept_edge=True)
+    assert "# WARNING: accepted on the edge" in (tmp_path / "tuned" / "digits_adamw.yaml").read_text()
+
+
+# Records every split evaluated, in every Python process of the sweeps (Hydra's and joblib's).
+HOOK = """
+import importlib.abc, importlib.util, json, os, sys
+
+class _Hook(importlib.abc.MetaPathFinder):
+    busy = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "distlion.tasks.base" or self.busy:
+            return None
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            evaluate = module.Task.evaluate
+
+            def logged(task, model, split, examples=None):
+                with open(os.environ["DISTLION_SPLIT_LOG"], "a") as log:
+                    log.write(json.dumps({"split": split, "trial": "train.test_eval=false" in sys.argv}) + "\\n")
+                return evaluate(task, model, split, examples)
+
+            module.Task.evaluate = logged
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Hook())
+"""
+
+SPEC = """
+name: tune
+base: [task=digits, train.steps=4, cluster.workers=2, cluster.per_worker_batch=8, logger=none, train.progress=false]
+sweeps:
+  - method=adamw,dlion
+seeds: [0]
+tuning:
+  objective: validation
+  budget: {train.steps: 3}
+  seeds: [0]
+  grid_points_per_decade: 1
+  spaces:
+    adamw: {lr: [1e-3, 1e-2]}
+    dlion: {lr: [1e-4, 1e-3], lr_x_wd: [1e-5, 1e-5]}
+"""
+
+
+@pytest.mark.slow
+def test_tuning_end_to_end_never_touches_the_test_split(tmp_path):
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(HOOK)
+    spec = tmp_path / "tune.yaml"
+    spec.write_text(SPEC)
+    committed = {p.name: p.read_bytes() for p in (REPO / "conf" / "tuned").glob("*.yaml")}
+    log = tmp_path / "splits.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "hook"), "DISTLION_SPLIT_LOG": str(log)}
+    done = subprocess.run([sys.executable, "-m", "distlion.experiment", str(spec), "--out", str(tmp_path), "--tune",
+                           "--accept-edge", "--conf-dir", str(tmp_path / "conf")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    trials = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "tune" / "tuning").glob("*/summary.json")]
+    assert len(trials) == 4
+    for s in trials:
+        assert s["val_accuracy"] >= 0 and not any(k.startswith("test_") for k in s)
+    for path in (tmp_path / "runs" / "tune" / "tuning").glob("*/metrics.jsonl"):
+        assert "test_" not in path.read_text()
+    evaluations = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {"split": "validation", "trial": True} in evaluations  # the hook sees the trials' evaluations
+    assert {"split": "test", "trial": False} in evaluations  # and the final runs' test evaluation
+    assert {"split": "test", "trial": True} not in evaluations
+
+    tuned = {p.stem: p.read_text() for p in (tmp_path / "conf" / "tuned").glob("*.yaml") if "Tuned " in p.read_text()}
+    assert sorted(tuned) == ["digits_adamw", "digits_dlion"]  # the others: copies of conf/tuned
+    assert "spec tune" in tuned["digits_dlion"] and "Objective: val_accuracy = " in tuned["digits_dlion"]
+    assert "train.steps=3" in tuned["digits_dlion"] and "WARNING: accepted on the edge" in tuned["digits_dlion"]
+    finals = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "tune" / "final").glob("*/summary.json")]
+    for s in finals:  # the final runs ran with the tuned settings, read from --conf-dir
+        text = tuned[f"digits_{s['method']}"]
+        assert f"lr: {s['lr']:g}\n" in text and f"weight_decay: {s['method.weight_decay']:g}\n" in text
+        assert "test_accuracy" in s
+    assert len(finals) == 2
+
+    results = tmp_path / "results" / "tune"
+    md = (results / "tuning.md").read_text()
+    assert "--tune --accept-edge" in md and "**WARNING: the best point lies on the edge" in md
+    assert "| G-AdamW | digits |" in md and "trial-steps" in md
+    assert (results / "tuning_val_accuracy_vs_lr.png").read_bytes()[:4] == b"\x89PNG"
+    assert (results / "results.md").exists()
+    assert {p.name: p.read_bytes() for p in (REPO / "conf" / "tuned").glob("*.yaml")} == committed
+
+
+def test_a_space_reads_its_point_on_the_lr_x_wd_grid():
+    space = Space("lion", (1e-4, 1e-3), "lr_x_wd", (1e-5, 1e-4))
+    assert space.coordinate((1e-3, 0.1)) == 1e-4 and space.coordinate((1e-4, 0.1)) == 1e-5
