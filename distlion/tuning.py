@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import yaml
+from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
 from distlion.methods import label_order, variant_of
@@ -249,14 +251,37 @@ def _objective(summary: dict[str, Any], objective: str) -> tuple[str, bool, floa
     return key, metric["higher_is_better"], metric.get("scale", 1.0)
 
 
+def is_current(summary: dict[str, Any], tuning: Tuning, space: Space | None) -> bool:
+    """Whether a finished trial belongs to the tuning as the spec is now: one of its seeds, a point of its grid
+    and its budget (a runs folder keeps the trials of earlier grids and budgets, which must not be chosen)."""
+    if summary.get("seed") not in tuning.seeds:
+        return False
+    if space is not None:
+        wd = summary.get("method.weight_decay") or 0.0
+        if not any(math.isclose(summary["lr"], lr, rel_tol=1e-6)
+                   and (space.axis is None or math.isclose(wd, point_wd or 0.0, rel_tol=1e-6, abs_tol=1e-12))
+                   for lr, point_wd in space.points()):
+            return False
+    config = Path(summary.get("run_dir", "")) / "config.yaml"
+    if config.is_file():
+        resolved = OmegaConf.load(config)
+        for override in tuning.budget:
+            key, _, value = override.partition("=")
+            if OmegaConf.select(resolved, key) != yaml.safe_load(value):
+                return False
+    return True
+
+
 def select(summaries: list[dict[str, Any]], tuning: Tuning) -> list[Choice]:
     """Group the trials' summaries by task, method and the other settings that vary, and choose in each the
     point with the best mean validation objective over seeds (never a test metric; ties: smaller lr, then
-    smaller weight decay)."""
+    smaller weight decay). Trials of earlier grids, budgets or seeds are left out."""
     choices: dict[tuple, Choice] = {}
     for s in summaries:
         hparams = {k.removeprefix("method."): v for k, v in s.items() if k.startswith("method.")}
         info = variant_of(s["method"], hparams)
+        if not is_current(s, tuning, tuning.space(info.name)):
+            continue
         others = tuple(sorted((k, _hashable(v)) for k, v in s.items()
                               if k in ("workers", "per_worker_batch") or
                               (k.startswith("method.") and k != "method.weight_decay")))

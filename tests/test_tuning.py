@@ -75,7 +75,7 @@ def summary(method: str, lr: float, val: float, test: float, seed: int = 0, wd: 
 
 
 def test_selection_picks_by_validation_where_test_disagrees():
-    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    tuning = parse_tuning(tuning_spec(seeds=[0, 1], spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
     runs = [summary("adamw", 1e-4, 0.50, 0.90), summary("adamw", 1e-3, 0.80, 0.60), summary("adamw", 1e-2, 0.70, 0.95),
             # two seeds at 3.16e-3: the mean (0.75) counts, not the best seed (0.85) nor the test (0.99)
             summary("adamw", 3.16e-3, 0.85, 0.99), summary("adamw", 3.16e-3, 0.65, 0.99, seed=1)]
@@ -83,7 +83,7 @@ def test_selection_picks_by_validation_where_test_disagrees():
     assert choice.best == (1e-3, 0.1) and choice.objective == "val_accuracy"
     assert choice.edges == [] and len(choice.runs) == 5 and choice.steps == 300
 
-    loss = parse_tuning(tuning_spec(objective="val_loss", spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    loss = parse_tuning(tuning_spec(objective="val_loss", seeds=[0, 1], spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
     assert select(runs, loss)[0].best == (1e-3, 0.1)  # lower is better for a loss
 
     tie = [summary("adamw", 1e-3, 0.8, 0.1), summary("adamw", 3.16e-4, 0.8, 0.9)]
@@ -211,3 +211,19 @@ def test_tuning_end_to_end_never_touches_the_test_split(tmp_path):
 def test_a_space_reads_its_point_on_the_lr_x_wd_grid():
     space = Space("lion", (1e-4, 1e-3), "lr_x_wd", (1e-5, 1e-4))
     assert space.coordinate((1e-3, 0.1)) == 1e-4 and space.coordinate((1e-4, 0.1)) == 1e-5
+
+
+def test_trials_of_an_earlier_grid_budget_or_seed_are_not_chosen(tmp_path):
+    """A runs folder keeps the trials of earlier specs: only the current grid, budget and seeds count."""
+    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    stale_dir = tmp_path / "stale-budget"
+    stale_dir.mkdir()
+    budget_key, _, budget_value = tuning.budget[0].partition("=")
+    section, leaf = budget_key.rsplit(".", 1)
+    (stale_dir / "config.yaml").write_text(f"{section}:\n  {leaf}: {int(budget_value) + 1}\n")
+    runs = [summary("adamw", 1e-3, 0.60, 0.60),
+            summary("adamw", 3e-3, 0.99, 0.99),  # off the current grid (an earlier one)
+            summary("adamw", 1e-2, 0.99, 0.99, seed=7),  # a seed the spec no longer tunes over
+            summary("adamw", 1e-4, 0.99, 0.99, run_dir=str(stale_dir))]  # another budget
+    (choice,) = select(runs, tuning)
+    assert choice.best == (1e-3, 0.1) and list(choice.trials) == [(1e-3, 0.1)]
