@@ -69,11 +69,3 @@ class FlatParams:
     @property
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
-
-    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        """The parameters' `.grad` of one dtype gathered into one flat tensor (zeros where None)."""
-        out = torch.zeros_like(self.buffers[dtype])
-        for p, seg in zip(self.params[dtype], self.layouts[dtype]):
-            if p.grad is not None:
-                out[seg.offset : seg.stop].copy_(p.grad.reshape(-1))
-        return out

@@ -91,11 +91,8 @@ class DistributedLion(torch.optim.Optimizer):
         self._momenta: dict[tuple[int, ...], torch.Tensor] = {}
         self.skipped_steps = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        # torch keeps defaults, state and param_groups; the process group handle cannot be copied.
-        return super().__getstate__()
-
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's __getstate__ keeps defaults, state and param_groups; the process group handle is not copied.
         super().__setstate__(state)
         self.process_group = None
         self._init_runtime()

@@ -50,7 +50,6 @@ class Run:
     flat: FlatParams
     cluster: Cluster
     sampler: ShardedSampler
-    method: Method
     steps: int
 
 
@@ -70,7 +69,7 @@ def build_run(cfg: DictConfig, method: Method) -> Run:
         model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=dtype), with_kwargs=True)
     flat = FlatParams(model)
     cluster = build_cluster(cfg.cluster, method, flat, cfg.seed, cfg.train.nonfinite, cfg.train.master_weights)
-    return Run(task, model, flat, cluster, sampler, method, steps)
+    return Run(task, model, flat, cluster, sampler, steps)
 
 
 def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
