@@ -183,7 +183,7 @@ def main() -> None:
         failures = read_failures(runs_dir)
         try:
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
-                                notes=spec.get("description"))
+                                notes=spec.get("description"), target=report.get("target"))
             print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")
         except FileNotFoundError as err:  # no finished run: the failures below say why
             print(f"distlion: error: {err}", file=sys.stderr)

@@ -211,3 +211,18 @@ def test_a_single_seed_keeps_its_own_line_without_a_band(tmp_path):
     ax = report.plot_metric_curves(report.load_runs(tmp_path), tmp_path / "curves.png")
     assert [list(line.get_ydata()) for line in ax.get_lines()] == [[100 * a for a in ACCURACIES[0]]]
     assert not ax.collections and ax.get_title() == "one seed per group"
+
+
+def test_a_spec_s_report_target_reaches_the_report(tmp_path):
+    """`report: {target: ...}` in a spec overrides the runs' recorded target (here 0.8 -> 0.3)."""
+    import subprocess
+    import sys
+
+    write_seeds(tmp_path / "runs" / "t")
+    spec = tmp_path / "t.yaml"
+    spec.write_text("name: t\nsweeps: []\nreport:\n  target: {metric: val_accuracy, value: 0.3, source: the spec}\n")
+    done = subprocess.run([sys.executable, "-m", "distlion.experiment", str(spec), "--report-only", "--out",
+                           str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    results = (tmp_path / "results" / "t" / "results.md").read_text()
+    assert "≥ 30.00 (the spec)" in results and "by hand" not in results
