@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create .venv and install distlion with its dev tools
 
-demo: setup  ## the main job on the embedded digits data: a method x workers sweep, then results/demo/
-	$(VENV)/bin/distlion-experiment experiments/demo.yaml
+demo: setup  ## the main job on the embedded digits data: a method x workers x 3 seeds sweep, then results/demo/
+	$(VENV)/bin/distlion-experiment experiments/demo.yaml --jobs 2
 
 test: setup  ## the test suite (about 3-5 minutes on 2 cores)
 	$(VENV)/bin/pytest -q

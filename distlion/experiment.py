@@ -166,9 +166,15 @@ def main() -> None:
         flags = ["--tune-only" if args.tune_only else "--tune", *(["--accept-edge"] if args.accept_edge else [])]
         try:
             with report_lock(base_dir):
-                write_tuning(spec, tuning, trials_dir, results_dir, f"{shown} {shlex.join(flags)}",
-                             None if args.report_only else args.conf_dir / "tuned", args.accept_edge)
+                choices = write_tuning(spec, tuning, trials_dir, results_dir, f"{shown} {shlex.join(flags)}",
+                                       None if args.report_only else args.conf_dir / "tuned", args.accept_edge)
             print(f"tuning reported in {results_dir / 'tuning.md'}")
+            on_edge = [c.label for c in choices if c.edges]
+            if args.tune and on_edge and not args.accept_edge:  # the final runs would use stale settings
+                print(f"distlion: error: {', '.join(on_edge)}: best point on the edge of the grid; widen the grid "
+                      "in the spec and rerun (finished trials are skipped), or pass --accept-edge; no final runs",
+                      file=sys.stderr)
+                sys.exit(1)
         except (FileNotFoundError, SpecError) as err:
             print(f"distlion: error: {err}", file=sys.stderr)
             if not args.report_only:

@@ -69,3 +69,7 @@ class FlatParams:
     @property
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buffers.values())).device

@@ -35,6 +35,7 @@ from distlion.config import validate
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import Method, variant_of
+from distlion.methods.step import PhaseTimer
 from distlion.runio import RunDir, config_hash, git_version, resolved_config
 from distlion.schedule import LRSchedule
 from distlion.seeding import derive_seed
@@ -128,15 +129,19 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
               if cluster.is_main else NullLogger())
     start_time = time.time() - wall_time
     last_eval: dict[str, float] = {}
+    clock = StepClock()
     try:
         bar = tqdm(range(start_step, steps), initial=start_step, total=steps,
                    disable=not (cfg.train.progress and cluster.is_main),
                    desc=f"{variant} N={workers}", dynamic_ncols=True, file=sys.stderr)
         with directory.open_metrics(start_step) if cluster.is_main else open(os.devnull, "w") as metrics_file:
             for step in bar:
+                step_start = time.perf_counter()
                 inputs, targets = worker_batches(task, sampler, cluster.local_workers, step, cfg.seed)
-                grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
-                                              len(cluster.local_workers))
+                timer = PhaseTimer(flat.device, ("compute",))
+                with timer.phase("compute"):
+                    grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
+                                                  len(cluster.local_workers))
                 loss = cluster.mean_loss(losses)
                 if not math.isfinite(loss) and cfg.train.nonfinite == "error":
                     raise FloatingPointError(
@@ -144,6 +149,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                     )
                 lr = schedule(step)
                 step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step))
+                clock.add({**timer.times, **step_bits.times, "step": time.perf_counter() - step_start})
                 record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
                           **bits.add(step_bits)}
                 is_last = step + 1 == steps
@@ -154,6 +160,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                                  else task.evaluate(model, "validation", None if is_last else task.val_examples))
                     record.update(last_eval)
                 if evaluate or (step + 1) % cfg.train.log_every == 0:
+                    record.update(clock.means())
                     record["wall_time"] = time.time() - start_time
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
@@ -192,6 +199,27 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         return summary
     finally:
         logger.finish()
+
+
+class StepClock:
+    """Seconds per step in each phase, averaged over the steps since the last metrics line: `time_compute`
+    (forward and backward of the local workers), `time_encode`, `time_comm`, `time_apply` (see
+    `distlion.methods.step.PHASES`) and `time_step` (the whole step, batches included; not evaluations)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, times: dict[str, float]) -> None:
+        for name, seconds in times.items():
+            self.sums[name] = self.sums.get(name, 0.0) + seconds
+        self.steps += 1
+
+    def means(self) -> dict[str, float]:
+        """The averages, then start a new interval."""
+        out = {f"time_{name}": total / self.steps for name, total in self.sums.items()} if self.steps else {}
+        self.sums, self.steps = {}, 0
+        return out
 
 
 def final_evaluation(task: Task, model: nn.Module) -> dict[str, float]:

@@ -314,8 +314,18 @@ def load_trials(root: Path) -> list[dict[str, Any]]:
     return trials
 
 
-def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: str) -> str:
-    """A conf/tuned file for the choice, its provenance in comments."""
+def kept_settings(path: Path) -> dict[str, Any]:
+    """The method settings of an existing tuned file other than lr and weight decay (e.g. betas): the trials ran
+    with them, so the rewritten file keeps them."""
+    if not path.is_file():
+        return {}
+    method = (yaml.safe_load(path.read_text()) or {}).get("method") or {}
+    return {k: v for k, v in method.items() if k not in ("lr", "weight_decay")}
+
+
+def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: str,
+               kept: dict[str, Any] | None = None) -> str:
+    """A conf/tuned file for the choice, its provenance in comments; `kept`: other method settings it keeps."""
     lr, wd = c.best
     trial = c.trials[c.best][0]
     wd = trial.get("method.weight_decay") if wd is None else wd
@@ -332,6 +342,9 @@ def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: st
     lines += ["method:", f"  lr: {lr:g}"]
     if wd is not None:
         lines.append(f"  weight_decay: {wd:g}")
+    if kept:
+        lines.append("  # kept from the file the trials ran with (not tuned here):")
+        lines += [f"  {line}" for line in yaml.safe_dump(kept, default_flow_style=None, sort_keys=False).splitlines()]
     return "\n".join(lines) + "\n"
 
 
@@ -424,7 +437,8 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
             status = "**no: on the edge**"
         else:
             tuned_dir.mkdir(parents=True, exist_ok=True)
-            (tuned_dir / target).write_text(tuned_text(c, spec["name"], tuning, command, date))
+            kept = kept_settings(tuned_dir / target)
+            (tuned_dir / target).write_text(tuned_text(c, spec["name"], tuning, command, date, kept))
             written.append(tuned_dir / target)
             status = f"`{target}`"
         others = _shown(c, choices)

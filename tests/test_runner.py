@@ -15,8 +15,9 @@ from distlion.train import run
 
 def test_dlion_mavo_4_workers_learns_digits(make_cfg, tmp_path):
     # 45 epochs of the 1,077 training images (270 of the 1,347 are validation): 360 steps, 30 epochs were 300.
+    # lr and weight decay pinned here, so that retuning conf/tuned/digits_dlion.yaml cannot change this test.
     cfg = make_cfg("method=dlion", "method.aggregation=mavo", "cluster.workers=4", "cluster.per_worker_batch=32",
-                   "train.epochs=45")
+                   "train.epochs=45", "method.lr=3e-3", "method.weight_decay=0.1")
     summary = run(cfg, tmp_path)
     assert summary["test_accuracy"] >= 0.90  # real evaluation on the 450 held-out test images
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

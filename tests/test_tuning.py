@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from distlion.tuning import Space, SpecError, log_grid, parse_tuning, select, trial_sweeps, write_tuning
 
@@ -227,3 +228,40 @@ def test_trials_of_an_earlier_grid_budget_or_seed_are_not_chosen(tmp_path):
             summary("adamw", 1e-4, 0.99, 0.99, run_dir=str(stale_dir))]  # another budget
     (choice,) = select(runs, tuning)
     assert choice.best == (1e-3, 0.1) and list(choice.trials) == [(1e-3, 0.1)]
+
+
+def test_a_rewritten_tuned_file_keeps_the_settings_the_trials_ran_with(tmp_path):
+    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    trials = tmp_path / "tuning"
+    for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.9), (1e-2, 0.6)]):
+        (trials / str(i)).mkdir(parents=True)
+        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    (tuned / "digits_adamw.yaml").write_text("method:\n  lr: 5e-3\n  weight_decay: 0.1\n  betas: [0.95, 0.98]\n")
+    write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tuned)
+    written = yaml.safe_load((tuned / "digits_adamw.yaml").read_text())["method"]
+    assert written == {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.95, 0.98]}
+
+
+def test_tune_runs_no_final_run_while_a_choice_lies_on_the_edge(tmp_path, monkeypatch, capsys):
+    from distlion import experiment
+
+    spec = tmp_path / "edge.yaml"
+    spec.write_text("name: edge\nbase: [task=digits]\nsweeps: [method=adamw]\nseeds: [0]\ntuning:\n"
+                    "  grid_points_per_decade: 1\n  spaces:\n    adamw: {lr: [1e-4, 1e-2]}\n")
+    trials = tmp_path / "runs" / "edge" / "tuning"
+    for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.6), (1e-2, 0.9)]):  # best: the top of the grid
+        (trials / str(i)).mkdir(parents=True)
+        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+    sweeps = []
+    monkeypatch.setattr(experiment, "_run_sweeps", lambda commands: sweeps.append(commands) or 0)
+    monkeypatch.setattr(sys, "argv", ["distlion-experiment", str(spec), "--out", str(tmp_path), "--tune",
+                                      "--conf-dir", str(tmp_path / "conf")])
+    with pytest.raises(SystemExit) as stop:
+        experiment.main()
+    assert stop.value.code == 1
+    assert "G-AdamW: best point on the edge of the grid" in capsys.readouterr().err
+    assert len(sweeps) == 1  # the trials' sweeps only, no final runs
+    assert not (tmp_path / "runs" / "edge" / "final").exists()
+    assert "Tuned" not in (tmp_path / "conf" / "tuned" / "digits_adamw.yaml").read_text()

@@ -21,7 +21,10 @@ a model replica per worker binds one instance per replica and the apply runs on 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +44,8 @@ class StepBits:
     wire: WireBytes | None = None
     skipped: bool = False
     """The step was skipped: a worker's gradient was not finite (`nonfinite="skip"`)."""
+    times: dict[str, float] = field(default_factory=dict)
+    """Seconds this process spent in each phase of the step (`PHASES`)."""
 
     @property
     def mean_up(self) -> float:
@@ -72,6 +77,34 @@ class BufferWorkers:
 
 
 NONFINITE_POLICIES = ("error", "skip")
+
+#: The phases of a step this process times: the worker rules (and the finiteness check), the exchanges
+#: (their collectives; in one process the server rule), the apply rules. The gradient computation before
+#: the step is the caller's "compute".
+PHASES = ("encode", "comm", "apply")
+
+
+class PhaseTimer:
+    """Wall seconds per phase; waits for the device's queued work at each boundary, so a GPU phase is timed
+    where it runs rather than where it was queued."""
+
+    def __init__(self, device: torch.device, phases: tuple[str, ...] = PHASES):
+        self.device = device
+        self.times = dict.fromkeys(phases, 0.0)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -114,21 +147,27 @@ def algorithm1_step(
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
-    bad = nonfinite_workers(buffers, grads, exchanger.local_workers)
+    timer = PhaseTimer(next(iter(grads.values())).device)
+    with timer.phase("encode"):
+        bad = nonfinite_workers(buffers, grads, exchanger.local_workers)
     if bad and nonfinite == "error":
         worker, name = next(iter(bad.items()))
         raise NonFiniteGradient(
             f"step {ctx.step}: worker {worker}'s gradient of {name} is not finite (NaN or inf); lower the learning "
             "rate, check the data, or skip such steps (train.nonfinite=skip; nonfinite=\"skip\" in Python)"
         )
-    if nonfinite == "skip" and any(exchanger.agree([w in bad for w in exchanger.local_workers])):
-        return StepBits([0] * exchanger.num_workers, 0, skipped=True)
+    if nonfinite == "skip":
+        with timer.phase("comm"):
+            skip = any(exchanger.agree([w in bad for w in exchanger.local_workers]))
+        if skip:
+            return StepBits([0] * exchanger.num_workers, 0, skipped=True, times=timer.times)
     up, down = [0] * exchanger.num_workers, 0
     workers = [dataclasses.replace(ctx, worker=w) for w in exchanger.local_workers]
 
     def exchange(how: str, rule, messages: list[Message]) -> Message:
         nonlocal down
-        reply, up_bits = exchanger.exchange(how, lambda received: rule(received, ctx), messages)
+        with timer.phase("comm"):
+            reply, up_bits = exchanger.exchange(how, lambda received: rule(received, ctx), messages)
         for i, bits in enumerate(up_bits):
             up[i] += bits
         down += reply.bits
@@ -138,10 +177,16 @@ def algorithm1_step(
         server = local.methods[0]
         rules = list(zip(local.methods, grads[dtype], local.states, workers, strict=True))
         if server.pre_exchange is not None:
-            reply = exchange(server.pre_exchange, server.pre_server_rule, [m.pre_worker_rule(*r) for m, *r in rules])
+            with timer.phase("encode"):
+                messages = [m.pre_worker_rule(*r) for m, *r in rules]
+            reply = exchange(server.pre_exchange, server.pre_server_rule, messages)
+            with timer.phase("apply"):
+                for method in local.appliers:
+                    method.pre_apply_rule(reply, ctx)
+        with timer.phase("encode"):
+            messages = [m.worker_rule(*r) for m, *r in rules]
+        reply = exchange(server.exchange, server.server_rule, messages)
+        with timer.phase("apply"):
             for method in local.appliers:
-                method.pre_apply_rule(reply, ctx)
-        reply = exchange(server.exchange, server.server_rule, [m.worker_rule(*r) for m, *r in rules])
-        for method in local.appliers:
-            method.apply_rule(reply, ctx)
-    return StepBits(up, down)
+                method.apply_rule(reply, ctx)
+    return StepBits(up, down, times=timer.times)
