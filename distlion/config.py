@@ -45,6 +45,10 @@ def validate(cfg: DictConfig) -> Method:
         if cfg.cluster.backend not in BACKENDS:
             raise ConfigError(f"cluster.backend={cfg.cluster.backend!r} is unknown; choose one of {BACKENDS}")
         check_workers(cfg.cluster.workers)
+        if cfg.cluster.backend not in method.backends:
+            raise ConfigError(f"method={cfg.method.name} runs only under cluster={' or '.join(method.backends)} "
+                              f"(one process per worker: torchrun --nproc-per-node {cfg.cluster.workers} -m "
+                              f"distlion.train cluster=torchdist method={cfg.method.name} ...)")
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _whole("cluster.per_worker_batch", cfg.cluster.per_worker_batch, 1)
@@ -63,6 +67,9 @@ def validate(cfg: DictConfig) -> Method:
     _whole("schedule.warmup_steps", cfg.schedule.warmup_steps, 0)
     if train.dtype not in PARAM_DTYPES:
         raise ConfigError(f"train.dtype={train.dtype!r} is unknown; choose one of {PARAM_DTYPES}")
+    if method.exchange == "in_backward" and train.dtype != "float32":
+        raise ConfigError(f"method={cfg.method.name} keeps fp32 parameters (train.dtype=float32); DDP's bf16/fp16 "
+                          "compression is method=ddp_bf16 / ddp_fp16")
     if not isinstance(train.master_weights, bool):
         raise ConfigError(f"train.master_weights={train.master_weights!r} must be true or false")
     if train.nonfinite not in NONFINITE_POLICIES:

@@ -28,11 +28,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
-from distlion.report import write_report
+from distlion.methods import method_info
+from distlion.report import Target, derive_target, load_runs, write_report, write_task_target
 from distlion.tuning import SpecError, parse_tuning, trial_spec, write_tuning
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,6 +109,22 @@ def report_lock(runs_dir: Path) -> Iterator[None]:
         yield
 
 
+def spec_target(spec: dict[str, Any], runs_dir: Path, conf_dir: Path | None) -> Target:
+    """The target a spec's `report.target_from` ({method, at, where}) derives from its finished runs; with
+    `conf_dir`, also written into that config folder's task file with its provenance."""
+    setting = dict(spec["report"]["target_from"])
+    unknown = set(setting) - {"method", "at", "where"}
+    if unknown or "method" not in setting:
+        raise ValueError(f"report.target_from takes method, at and where; got {sorted(setting)}")
+    task, target = derive_target(load_runs(runs_dir), method_info(setting["method"]).label,
+                                 float(setting.get("at", 0.75)), setting.get("where"), spec["name"])
+    if conf_dir is not None:
+        path = conf_dir / "task" / f"{task}.yaml"
+        write_task_target(path, target)
+        print(f"distlion: wrote the target {target.metric} = {target.value:.6g} into {path}", flush=True)
+    return target
+
+
 def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through run_sweep, which ends the sweep's group
 
@@ -138,6 +156,8 @@ def main() -> None:
     parser.add_argument("--tune-only", action="store_true", help="only the tuning: trials, tuning.md, conf/tuned/")
     parser.add_argument("--accept-edge", action="store_true",
                         help="write back a chosen point on the edge of its grid (else: widen the grid)")
+    parser.add_argument("--set-target", action="store_true",
+                        help="write the target that report.target_from derives into conf/task/<task>.yaml")
     parser.add_argument("--conf-dir", type=Path, default=CONF,
                         help="config folder of every run, whose tuned/ the tuning writes (default: conf/; another "
                              "folder starts as a copy of conf/)")
@@ -188,10 +208,13 @@ def main() -> None:
     with report_lock(runs_dir):
         failures = read_failures(runs_dir)
         try:
+            target = report.get("target")
+            if "target_from" in report:  # AlgoPerf's rule, from this spec's own finished runs
+                target = spec_target(spec, runs_dir, args.conf_dir if args.set_target else None)
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
-                                notes=spec.get("description"), target=report.get("target"))
+                                notes=spec.get("description"), target=target)
             print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")
-        except FileNotFoundError as err:  # no finished run: the failures below say why
+        except (FileNotFoundError, ValueError) as err:  # no finished run (the failures below say why), a bad target
             print(f"distlion: error: {err}", file=sys.stderr)
             failed_sweeps += 1
     for record in failures:

@@ -265,6 +265,54 @@ def first_reaching(curve: list[dict[str, Any]], metric: str, value: float,
     return None
 
 
+def derive_target(runs: list[Run], label: str, fraction: float = 0.75, where: Mapping[str, Any] | None = None,
+                  spec: str = "") -> tuple[str, Target]:
+    """(task, target) as AlgoPerf sets one: the mean over seeds of the `label` runs' (tuned G-AdamW's) validation
+    objective at their last evaluation at or before `fraction` of their steps. `where`: settings the runs must
+    have (e.g. {"workers": 8}, the tuned point)."""
+    where = dict(where or {})
+    chosen = [r for r in runs if r["label"] == label and all(_value(r, k) == v for k, v in where.items())]
+    if not chosen:
+        raise ValueError(f"no finished {label} run with {where or 'any settings'} to derive a target from")
+    if len({r["task"] for r in chosen}) > 1 or len({r["objective"] for r in chosen}) > 1:
+        raise ValueError(f"the {label} runs with {where} span several tasks or objectives; narrow `where`")
+    metric, values, at = chosen[0]["objective"], [], []
+    for r in chosen:
+        points = [p for p in r["curve"] if metric in p and p["step"] <= fraction * r["steps"]]
+        if not points:
+            raise ValueError(f"{r['run_dir']}: no evaluation of {metric} before {fraction:.0%} of its steps")
+        values.append(points[-1][metric])
+        at.append(points[-1]["step"])
+    seeds = sorted(r["seed"] for r in chosen)
+    settings = ", ".join(f"{k}={v}" for k, v in where.items())
+    source = (f"mean over seeds {seeds} of tuned {label}'s {metric} at its last evaluation at or before "
+              f"{fraction:.0%} of its {chosen[0]['steps']} steps (steps {sorted(set(at))}"
+              + (f"; {settings}" if settings else "") + f"), spec {spec or '?'}: AlgoPerf's rule")
+    return chosen[0]["task"], Target(metric, statistics.fmean(values), source)
+
+
+def write_task_target(path: Path, target: Target) -> None:
+    """Set `value` and `source` of the `target:` block of a task config, keeping its other lines and comments."""
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("target:")), None)
+    if start is None:
+        raise ValueError(f"{path} has no `target:` block to set")
+    done = set()
+    for i in range(start + 1, len(lines)):
+        if not lines[i].startswith("  "):
+            break
+        key = lines[i].split(":", 1)[0].strip()
+        if key == "value":
+            lines[i], _ = f"  value: {target.value:.6g}", done.add(key)
+        elif key == "source":
+            lines[i], _ = f"  source: {json.dumps(target.source)}", done.add(key)
+        elif key == "metric" and target.metric is not None:
+            lines[i] = f"  metric: {target.metric}"
+    if done != {"value", "source"}:
+        raise ValueError(f"{path}: its target block lacks {sorted({'value', 'source'} - done)}")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _config_target(task: str) -> dict[str, Any] | None:
     """The `target` of conf/task/<task>.yaml as it is now (for runs made before targets were recorded)."""
     path = TASK_CONFIGS / f"{task}.yaml"

@@ -29,7 +29,6 @@ from tqdm import tqdm
 from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
-from distlion.cluster.grads import worker_grads
 from distlion.cluster.sampler import ShardedSampler
 from distlion.config import validate
 from distlion.flat import FlatParams
@@ -110,7 +109,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     task, model, flat, cluster = r.task, r.model, r.flat, r.cluster
     sampler, steps = r.sampler, r.steps
     schedule = LRSchedule(method.lr, steps, **cfg.schedule)
-    compute_grads = worker_grads(cfg.cluster.grad_strategy)
+    compute_grads = cluster.gradients(model, cfg.cluster.grad_strategy)
     eval_every = cfg.train.eval_every or max(1, steps // cfg.train.num_evals)
     workers, suffix = cfg.cluster.workers, cluster.backend.shard_suffix
 
@@ -149,7 +148,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                     )
                 lr = schedule(step)
                 step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step))
-                clock.add({**timer.times, **step_bits.times, "step": time.perf_counter() - step_start})
+                clock.add(step_times(timer.times, getattr(compute_grads, "last_times", {}), step_bits.times,
+                                     time.perf_counter() - step_start))
                 record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
                           **bits.add(step_bits)}
                 is_last = step + 1 == steps
@@ -199,6 +199,16 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         return summary
     finally:
         logger.finish()
+
+
+def step_times(compute: dict[str, float], in_backward: dict[str, float], step: dict[str, float],
+               total: float) -> dict[str, float]:
+    """One step's seconds per phase. Communication that ran inside backward (DDP's comm hook) counts as
+    `comm`, and only its exposed part is taken out of `compute`; `comm_hidden` is what compute hid."""
+    exposed = in_backward.get("comm_exposed", 0.0)
+    return {"compute": compute["compute"] - exposed, **step,
+            "comm": step.get("comm", 0.0) + in_backward.get("comm", 0.0),
+            "comm_hidden": in_backward.get("comm_hidden", 0.0), "step": total}
 
 
 class StepClock:

@@ -59,8 +59,13 @@ def packed_planes(message) -> int:
     return sum(math.prod(t.shape[:-1]) for t in message.tensors.values() if t.dtype == torch.uint8)
 
 
+# The methods that exchange inside backward (DDP's comm hooks) need one process per worker: their
+# formulas are pinned over 4 gloo ranks in tests/test_torchdist.py.
+SIMULATED = sorted(name for name, info in METHODS.items() if "simulated" in info.cls.backends)
+
+
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 8])
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", SIMULATED)
 def test_every_method_moves_the_bits_of_its_registry_formula(name, num_workers):
     gen = torch.Generator().manual_seed(num_workers)
     sim = Simulation(name, [torch.randn(s, generator=gen) for s in LAYOUT], num_workers, lr=1e-3)

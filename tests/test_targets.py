@@ -226,3 +226,28 @@ def test_a_spec_s_report_target_reaches_the_report(tmp_path):
     assert done.returncode == 0, done.stderr
     results = (tmp_path / "results" / "t" / "results.md").read_text()
     assert "≥ 30.00 (the spec)" in results and "by hand" not in results
+
+
+def test_a_target_is_derived_from_tuned_g_adamw_at_75_percent_of_its_steps_and_written_into_the_task(tmp_path):
+    # 16 steps, evaluations at 4, 8, 12, 16: 75% is step 12, the third evaluation of each G-AdamW seed.
+    for seed, accuracies in ACCURACIES.items():
+        write_seed(tmp_path / "runs", seed, accuracies, method="adamw")
+    write_seed(tmp_path / "runs", 0, [0.99] * 4, method="lion")  # another method: not read
+    runs = report.load_runs(tmp_path / "runs")
+    task, target = report.derive_target(runs, "G-AdamW", 0.75, {"workers": 2}, spec="s")
+    expected = (0.8 + 0.9 + 0.3) / 3
+    assert task == "digits" and target.metric == "val_accuracy" and target.value == pytest.approx(expected)
+    assert "seeds [0, 1, 2]" in target.source and "75% of its 16 steps (steps [12]; workers=2)" in target.source
+    assert report.derive_target(runs, "G-AdamW", 0.5)[1].value == pytest.approx((0.6 + 0.85 + 0.2) / 3)
+    with pytest.raises(ValueError, match="no finished G-AdamW run with {'workers': 8}"):
+        report.derive_target(runs, "G-AdamW", 0.75, {"workers": 8})
+
+    config = tmp_path / "digits.yaml"
+    original = (TASK_CONFIGS / "digits.yaml").read_text()
+    config.write_text(original)
+    report.write_task_target(config, target)
+    written = OmegaConf.load(config).target
+    assert written.value == pytest.approx(expected, rel=1e-6) and written.source == target.source
+    assert written.metric == "val_accuracy"
+    kept = [line for line in original.splitlines() if not line.startswith(("  value:", "  source:"))]
+    assert [line for line in config.read_text().splitlines() if not line.startswith(("  value:", "  source:"))] == kept

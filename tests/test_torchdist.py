@@ -9,6 +9,7 @@ by one fixture, so they overlap on the 2 cores, and the simulated references run
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
@@ -38,6 +40,16 @@ METHODS = {
     "graddrop": (["method=graddrop"], "allgather", True),
     "adamw": (["method=adamw"], "mean", False),
     "lion": (["method=lion"], "mean", False),
+}
+# What users run today, through DDP's comm hooks (cluster=torchdist only): name -> overrides. `ddp` takes
+# G-AdamW's settings, so the two runs must end (nearly) equal; small buckets let backward hide communication.
+ADAMW = yaml.safe_load((Path(CONF) / "tuned" / "digits_adamw.yaml").read_text())["method"]
+POWERSGD_START = 4
+DDP_RUNS = {
+    "ddp": ["method=ddp", f"method.lr={ADAMW['lr']}", f"method.weight_decay={ADAMW['weight_decay']}",
+            "method.bucket_cap_mb=0.05"],
+    "ddp_bf16": ["method=ddp_bf16"],
+    "powersgd": ["method=powersgd", "method.rank=2", f"method.start_iter={POWERSGD_START}"],
 }
 # A NaN in worker 1's gradient at step 3, skipped on every worker (train.nonfinite=skip).
 POISONED = {"name": "dlion_skip", "overrides": [*COMMON, "method=dlion", "train.nonfinite=skip"],
@@ -172,6 +184,7 @@ def jobs(tmp_path_factory):
     """All torchrun jobs, started at once; each test waits for its own."""
     tmp = tmp_path_factory.mktemp("torchdist")
     runs = [{"name": name, "overrides": [*COMMON, *overrides]} for name, (overrides, _, _) in METHODS.items()]
+    runs += [{"name": name, "overrides": [*COMMON, *overrides]} for name, overrides in DDP_RUNS.items()]
     runs.append(POISONED)
     def faulty(kind: str, step: int, *overrides: str) -> dict:
         return {"runs": [{"name": "run", "overrides": [*TWO_RANKS, *overrides]}],
@@ -541,6 +554,73 @@ def test_a_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_parameters(
 
 
 # --------------------------------------------------------------------------------------------------
+# DDP, its compression hooks and PowerSGD: what users run instead of D-Lion
+
+
+def test_ddp_adamw_ends_with_the_simulated_g_adamw_parameters(jobs, simulated):
+    out = jobs["main"].ok()
+    got = torch.load(out / "ddp.params.pt")
+    expected, _ = simulated["adamw"]
+    for dtype, buffer in expected.items():
+        # DDP divides by N before its all-reduce sums, the simulated server after (seen: ~1e-6).
+        assert (got[dtype] - buffer).abs().max() <= 1e-4
+
+
+def powersgd_payload(shapes: list[list[int]], rank: int) -> tuple[int, int]:
+    """(pq, n_dense) by torch's PowerSGD rule: a gradient viewed as (rows, -1) is sent as its factors,
+    (rows + cols) x min(rows, cols, rank) entries, when that is under half its size, else whole; vectors whole."""
+    pq = dense = 0
+    for shape in shapes:
+        rows, numel = shape[0], math.prod(shape)
+        r = min(rows, numel // rows, rank)
+        if len(shape) > 1 and (rows + numel // rows) * r * 2 < numel:
+            pq += (rows + numel // rows) * r
+        else:
+            dense += numel
+    return pq, dense
+
+
+@pytest.mark.parametrize("name", list(DDP_RUNS))
+def test_ddp_methods_count_what_their_hooks_all_reduce(jobs, name):
+    """The bits of every step on every rank against the registry's formula for the model's shapes."""
+    from distlion.methods import METHODS
+
+    out = jobs["main"].ok()
+    shapes = json.loads((out / "shapes.json").read_text())
+    n = sum(math.prod(s) for s in shapes)
+    pq, dense = powersgd_payload(shapes, rank=2)
+    expected_up, expected_down = METHODS[name].bits(n=n, pq=pq, n_dense=dense)
+    for rank in range(RANKS):
+        steps = json.loads((out / f"{name}.rank{rank}.json").read_text())
+        assert len(steps) == STEPS
+        for step, record in enumerate(steps):
+            if name == "powersgd" and step < POWERSGD_START:  # plain fp32 all-reduce while DDP settles
+                up, down = 32 * n, 32 * n
+            else:
+                up, down = expected_up * n, expected_down * n
+            assert record["up"] == [round(up)] * RANKS and record["down"] == round(down), (step, record)
+    if name == "powersgd":
+        assert expected_up < 32 / 2  # it compresses
+
+
+def test_ddp_reports_the_communication_that_backward_hid(jobs):
+    out = jobs["main"].ok()
+    lines = [json.loads(line) for line in (out / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    timed = [line for line in lines if "time_comm" in line]
+    assert timed and all(line["time_comm_hidden"] >= 0 and line["time_comm"] > 0 for line in timed)
+    assert sum(line["time_comm_hidden"] for line in timed) > 0  # several buckets: early ones overlap backward
+    assert all(line["time_comm_hidden"] <= line["time_comm"] + 1e-9 for line in timed)
+
+
+def test_ddp_methods_are_refused_by_the_simulated_cluster(make_cfg):
+    from distlion.config import ConfigError, validate
+
+    for name in DDP_RUNS:
+        with pytest.raises(ConfigError, match="runs only under cluster=torchdist .*torchrun --nproc-per-node"):
+            validate(make_cfg(f"method={name}"))
+
+
+# --------------------------------------------------------------------------------------------------
 # The rank's program: `torchrun ... tests/test_torchdist.py SPEC.json`
 
 
@@ -575,6 +655,7 @@ def worker(spec_path: str) -> None:
             torch.save(recorder.params(), out / f"{item['name']}.params.pt")
             layout = recorder.flat.layouts[torch.float32]
             (out / "layout.json").write_text(json.dumps([s.numel for s in layout]))
+            (out / "shapes.json").write_text(json.dumps([s.shape for s in layout]))
     if spec.get("optimizer"):
         for aggregation in ("mavo", "avg", "partial"):
             model = small_model()

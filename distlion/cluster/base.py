@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from distlion.cluster.grads import WorkerGrads, worker_grads
 from distlion.comm.collectives import WireBytes
 from distlion.comm.exchange import ServerRule
 from distlion.comm.message import Message
@@ -158,6 +160,11 @@ class Cluster:
         return self.backend.is_main
 
     @property
+    def exchanges_in_backward(self) -> bool:
+        """Whether the method's exchange runs inside backward (DDP's comm hooks)."""
+        return any(m.exchange == "in_backward" for m in self.methods.values())
+
+    @property
     def methods(self) -> dict[torch.dtype, Method]:
         """The method instance bound to each buffer's (shared) parameters."""
         return {dtype: local.methods[0] for dtype, local in self.buffers.items()}
@@ -175,12 +182,16 @@ class Cluster:
         bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite)
         for dtype, master in self.masters.items():
             self.flat.buffers[dtype].copy_(master)
-        if before is not None:
-            bits.wire = self.backend.wire - before
+        if before is not None and not self.exchanges_in_backward:
+            bits.wire = self.backend.wire - before  # (DDP's hooks move bytes outside these collectives)
         return bits
 
     def mean_loss(self, losses: torch.Tensor) -> float:
         return self.backend.mean_loss(losses)
+
+    def gradients(self, model: torch.nn.Module, strategy: str) -> Callable[..., WorkerGrads]:
+        """The function that computes the local workers' gradients (`distlion.cluster.grads`)."""
+        return worker_grads(strategy)
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated method state and the local workers' own states."""

@@ -15,15 +15,19 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from distlion.cluster.base import Backend, Cluster, check_workers
+from distlion.cluster.ddp import DDPGradients
+from distlion.cluster.grads import WorkerGrads
 from distlion.comm.collectives import Collectives, WireBytes
 from distlion.comm.exchange import CollectiveExchange
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
+from distlion.methods.ddp import DDPMethod
 
 
 def init_process_group(dist_backend: str, timeout_s: float, workers: int) -> bool:
@@ -109,6 +113,13 @@ class TorchDistCluster(Cluster):
     ):
         backend = TorchDistBackend(num_workers, dist_backend, timeout_s)
         super().__init__(method, flat, backend, seed, nonfinite, master_weights)
+
+    def gradients(self, model: torch.nn.Module, strategy: str) -> Callable[..., WorkerGrads]:
+        """A method that exchanges in backward gets its gradient through DDP and its comm hook."""
+        (method,) = self.methods.values() if len(self.methods) == 1 else (None,)
+        if isinstance(method, DDPMethod):
+            return DDPGradients(model, self.flat, method, self.seed)
+        return super().gradients(model, strategy)
 
 
 def _destroy_process_group() -> None:

@@ -14,6 +14,9 @@ each worker. Which one a method may use is its `exchange` (`distlion.methods.bas
   allgather  Any server rule: every rank gathers all N uplinks (sizes may differ: DGC's and
              GradDrop's sparse values and indices) and runs the rule itself. Also TernGrad's
              pre-exchange of per-layer scalers.
+  in_backward  Nothing left to send: DDP's comm hook all-reduced the gradient during backward
+             (`distlion.methods.ddp`); the uplink is what the hook sent, an all-reduce returns the same
+             size to every rank. Only one worker per process can run it (no simulated cluster).
 
 With `Collectives.local()` (a world of one) every exchange is the server rule on the one message.
 """
@@ -147,7 +150,13 @@ def gathered_exchange(server_rule: ServerRule, up: Message, comm: Collectives) -
     return server_rule(messages), [m.bits for m in messages]
 
 
-EXCHANGES = {"sharded": sharded_exchange, "mean": mean_exchange, "allgather": gathered_exchange}
+def in_backward_exchange(server_rule: ServerRule, up: Message, comm: Collectives) -> tuple[Message, list[int]]:
+    """The exchange already ran in backward (a DDP comm hook): the rule on this rank's record of it."""
+    return server_rule([up]), [up.bits] * comm.world_size
+
+
+EXCHANGES = {"sharded": sharded_exchange, "mean": mean_exchange, "allgather": gathered_exchange,
+             "in_backward": in_backward_exchange}
 
 
 def exchange(how: str, server_rule: ServerRule, up: Message, comm: Collectives) -> tuple[Message, list[int]]:
@@ -185,6 +194,9 @@ class InProcessExchange:
         self.local_workers = list(range(num_workers))
 
     def exchange(self, how: str, server_rule: ServerRule, messages: list[Message]) -> tuple[Message, list[int]]:
+        if how == "in_backward":
+            raise ValueError("this method exchanges inside backward through DDP (one process per worker); run it "
+                             "with cluster=torchdist under torchrun")
         return server_rule(messages), [m.bits for m in messages]
 
     def agree(self, flags: list[bool]) -> list[bool]:

@@ -83,6 +83,8 @@ class Method(ABC):
     # A round before the worker rule (TernGrad's shared scalers): how it is exchanged, or None for
     # no pre-exchange. Then `pre_worker_rule`, `pre_server_rule` and `pre_apply_rule` run first.
     pre_exchange: ClassVar[str | None] = None
+    # The cluster backends that can run it (`distlion.cluster.BACKENDS`).
+    backends: ClassVar[tuple[str, ...]] = ("simulated", "torchdist")
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
         check_lr(lr)

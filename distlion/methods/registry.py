@@ -9,7 +9,9 @@ from it (`python -m distlion.methods`).
 Bit formulas are Python expressions, in bits per parameter per step, of:
   n  parameters of the flat buffer      N  workers          L  parameter tensors (layers)
   k  entries a worker sends (sparse)    U  the union of the workers' sent indices
-  n_dense  entries a sparse method always sends dense (DGC's biases and norms)
+  n_dense  entries a sparse or low-rank method always sends dense (DGC's biases and norms; PowerSGD's vectors
+           and matrices too small to compress)
+  pq  PowerSGD's low-rank factors: the sum over compressed matrices of (rows + cols) x rank
 They are nominal: packing pads each bit-plane to whole bytes (at most 7 bits per plane and step).
 The tests evaluate them against the bits of the messages actually built.
 """
