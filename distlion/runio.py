@@ -161,6 +161,33 @@ class RunDir:
             )
         return summary
 
+    def reuse_twin(self) -> dict[str, Any] | None:
+        """A finished run of this very config elsewhere under the same `runs/` folder (another spec's run dir),
+        copied here instead of computed again; its summary, or None if there is none. The same config hash
+        means the same numbers: only the run's name and reporting settings may differ (`_NOT_HASHED`)."""
+        root = next((p for p in self.path.resolve().parents if p.name == "runs"), None)
+        if root is None or "RANK" in os.environ or self.checkpoint_path("").exists():
+            return None  # one process per run (torchrun ranks copy nothing), and never over a started run
+        here = self.path.resolve()
+        for path in sorted(root.rglob("summary.json")):
+            if path.parent.resolve() == here:
+                continue
+            try:
+                summary = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if summary.get("config_hash") != self.config_hash:
+                continue
+            for name in ("config.yaml", "metrics.jsonl"):
+                if (path.parent / name).exists():
+                    atomic_write_text(self.path / name, (path.parent / name).read_text())
+            summary["copied_from"] = os.path.relpath(path.parent, root.parent)  # runs/<spec>/...
+            self.write_summary(summary)  # last: the run counts as finished only once everything is here
+            print(f"distlion: {self.path} copies the finished run {path.parent} (same config hash "
+                  f"{self.config_hash}) instead of training it again", file=sys.stderr)
+            return summary
+        return None
+
     def checkpoint_path(self, suffix: str) -> Path:
         return self.path / f"checkpoint{suffix}.pt"
 

@@ -98,7 +98,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if finished is not None:
             print(f"distlion: {directory.path} already holds this finished run; skipping it", file=sys.stderr)
             return finished
-        return train(cfg, method, directory)
+        return directory.reuse_twin() or train(cfg, method, directory)
 
 
 def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
@@ -214,7 +214,8 @@ def step_times(compute: dict[str, float], in_backward: dict[str, float], step: d
 class StepClock:
     """Seconds per step in each phase, averaged over the steps since the last metrics line: `time_compute`
     (forward and backward of the local workers), `time_encode`, `time_comm`, `time_apply` (see
-    `distlion.methods.step.PHASES`) and `time_step` (the whole step, batches included; not evaluations)."""
+    `distlion.methods.step.PHASES`), `time_comm_hidden` (see `step_times`) and `time_step` (the whole step,
+    batches included; not evaluations)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distlion import Simulation
-from distlion.methods import METHODS, method_table
+from distlion.methods import METHODS, method_table, runnable_by
 
 NUMEL = 1001  # not a multiple of 8: the last byte of each packed plane is padding
 
@@ -61,7 +61,7 @@ def packed_planes(message) -> int:
 
 # The methods that exchange inside backward (DDP's comm hooks) need one process per worker: their
 # formulas are pinned over 4 gloo ranks in tests/test_torchdist.py.
-SIMULATED = sorted(name for name, info in METHODS.items() if "simulated" in info.cls.backends)
+SIMULATED = runnable_by("simulated")
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 8])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -133,3 +134,23 @@ def test_every_methods_checkpoint_loads_with_weights_only(make_cfg, tmp_path, me
     assert checkpoint["step"] == 2
     assert torch.equal(checkpoint["torch_rng"], torch.get_rng_state())
     r.cluster.load_state_dict(checkpoint["cluster"])
+
+
+def test_a_finished_twin_under_the_same_runs_folder_is_copied_not_trained_again(make_cfg, tmp_path, monkeypatch):
+    from distlion.train import run
+
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = make_cfg("train.steps=3", "cluster.workers=2", "cluster.per_worker_batch=8")
+    first = run(cfg, tmp_path / "runs" / "spec_a" / "point")
+    trained = []
+    monkeypatch.setattr("distlion.train.train", lambda *args: trained.append(args))
+    twin = run(cfg, tmp_path / "runs" / "spec_b" / "final" / "other_name")
+    assert not trained and twin["copied_from"] == "runs/spec_a/point"
+    copy, original = tmp_path / "runs" / "spec_b" / "final" / "other_name", tmp_path / "runs" / "spec_a" / "point"
+    assert (copy / "metrics.jsonl").read_text() == (original / "metrics.jsonl").read_text()
+    assert {k: v for k, v in twin.items() if k != "copied_from"} == json.loads(json.dumps(first))
+    # Another config (here another seed) is trained; outside a runs/ folder nothing is looked up.
+    run(make_cfg("train.steps=3", "cluster.workers=2", "cluster.per_worker_batch=8", "seed=1"),
+        tmp_path / "runs" / "spec_b" / "seed1")
+    run(cfg, tmp_path / "elsewhere")
+    assert len(trained) == 2

@@ -22,6 +22,7 @@ from distlion.methods.registry import (
     method_label,
     method_table,
     register,
+    runnable_by,
     variant_of,
 )
 
@@ -43,5 +44,6 @@ __all__ = [
     "method_label",
     "method_table",
     "register",
+    "runnable_by",
     "variant_of",
 ]

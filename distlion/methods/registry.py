@@ -88,6 +88,11 @@ def hyperparameters(cls: type[Method]) -> dict[str, Any]:
     return {k: p.default for k, p in params.items() if k != "self"}
 
 
+def runnable_by(backend: str) -> list[str]:
+    """The registered methods a cluster backend can run ("simulated": all but those exchanging in backward)."""
+    return sorted(name for name, info in METHODS.items() if backend in info.cls.backends)
+
+
 def method_info(name: str) -> MethodInfo:
     if name not in METHODS:
         raise ValueError(f"method={name!r} is unknown; choose one of {sorted(METHODS)}")
