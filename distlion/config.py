@@ -7,6 +7,7 @@ still before the first step.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,6 +19,8 @@ from distlion.methods import build_method
 from distlion.methods.base import Method
 from distlion.methods.step import NONFINITE_POLICIES
 
+#: Set by distlion-netem for its ranks: the rate of their links ("none": uncapped).
+LINK_ENV = "DISTLION_LINK"
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -52,6 +55,10 @@ def validate(cfg: DictConfig) -> Method:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _whole("cluster.per_worker_batch", cfg.cluster.per_worker_batch, 1)
+    link, actual = cfg.cluster.get("link"), os.environ.get(LINK_ENV)
+    if link is not None and str(link) != actual:
+        raise ConfigError(f"cluster.link={link} but this process runs on {actual or 'no emulated link'}; launch it "
+                          f"with distlion-netem --rate {link} -- torchrun ...")
     if cfg.cluster.grad_strategy not in STRATEGIES:
         raise ConfigError(f"cluster.grad_strategy={cfg.cluster.grad_strategy!r} is unknown; "
                           f"choose one of {sorted(STRATEGIES)}")

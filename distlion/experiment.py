@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import os
 import shlex
 import shutil
@@ -30,6 +31,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
@@ -59,6 +61,34 @@ def sweep_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[st
         commands.append([sys.executable, "-m", "distlion.train", "-m", f"experiment={spec['name']}",
                          *spec.get("base", []), *shlex.split(sweep), f"seed={seeds}", *extra,
                          f"hydra.sweep.dir={runs_dir}"])
+    return commands
+
+
+def sweep_points(sweep: str) -> list[list[str]]:
+    """The single-run overrides of a sweep ("method=a,b cluster.workers=4,8": 4 points), by Hydra's own parser."""
+    overrides = OverridesParser.create().parse_overrides(shlex.split(sweep))
+    choices = [[f"{o.get_key_element()}={v}" for v in (o.sweep_string_iterator() if o.is_sweep_override()
+                                                      else [o.get_value_element_as_str()])] for o in overrides]
+    return [list(point) for point in itertools.product(*choices)]
+
+
+def netem_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[str]]:
+    """One command per point, seed and link of a spec with a `netem: {ranks, rates}` section: torchrun with
+    `ranks` ranks under distlion-netem, each rank on its own link of the rate, into runs_dir/<its overrides>.
+    Timed runs: one at a time, so that they do not share the machine."""
+    ranks, rates = int(spec["netem"]["ranks"]), [str(r) for r in spec["netem"]["rates"]]
+    commands = []
+    for sweep in spec["sweeps"]:
+        for point in sweep_points(sweep):
+            for seed in spec.get("seeds", [0]):
+                for rate in rates:
+                    overrides = [*spec.get("base", []), *point, f"seed={seed}", f"cluster.link={rate}"]
+                    name = ",".join(sorted(overrides))
+                    commands.append([
+                        sys.executable, "-m", "distlion.netem", "--ranks", str(ranks), "--rate", rate, "--",
+                        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                        "-m", "distlion.train", f"experiment={spec['name']}", *overrides, *extra,
+                        f"hydra.run.dir='{runs_dir / name}'"])
     return commands
 
 
@@ -201,7 +231,12 @@ def main() -> None:
                 sys.exit(1)
         if args.tune_only:
             return
-    if not args.report_only:
+    if not args.report_only and "netem" in spec:
+        if args.jobs > 1:
+            raise SystemExit(f"distlion: error: {path.name} times its runs on emulated links: run it with --jobs 1, "
+                             "alone on the machine")
+        failed_sweeps += _run_sweeps(netem_commands(spec, args.overrides, runs_dir))
+    elif not args.report_only:
         commands = sweep_commands(spec, args.overrides + launcher, runs_dir)
         failed_sweeps += _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])
     report = spec.get("report", {})

@@ -359,7 +359,8 @@ def rank_commands(command: list[str], topology: Topology, port: int = MASTER_POR
     world, master = topology.ranks, topology.address(0)
     commands = []
     for rank in range(world):
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": topology.interface}
+        # DISTLION_LINK: what the runner records as the run's link (and checks against cluster.link).
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": topology.interface, "DISTLION_LINK": topology.rate or "none"}
         if parts:
             launcher, options, script = parts
             kept = [token for name, tokens in options if name not in _TORCHRUN_REPLACED for token in tokens]

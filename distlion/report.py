@@ -44,12 +44,14 @@ from matplotlib.axes import Axes  # noqa: E402
 
 # Summary keys that are settings of a run, in the order tables and legends name them; every "method.<k>"
 # comes after lr. The other keys are outcomes (metrics, bits, time) or bookkeeping (seed, hashes).
-SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "global_batch", "steps", "epochs", "num_params")
+SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "link", "global_batch", "steps", "epochs",
+            "num_params")
 # The method always, workers and per-worker batch whenever they vary (the table's fixed columns). Any other
 # setting is named only when it varies and the ones before it do not fix its value: tuned lr and weight
 # decay follow from the method, steps at a fixed epoch count from the workers.
 ALWAYS_NAMED = ("label", "workers", "per_worker_batch")
-_SHOWN = {"workers": "N={}", "per_worker_batch": "batch {}/worker", "lr": "lr={:g}", "global_batch": "global batch {}",
+_SHOWN = {"workers": "N={}", "per_worker_batch": "batch {}/worker", "lr": "lr={:g}", "link": "link {}",
+          "global_batch": "global batch {}",
           "steps": "{} steps", "epochs": "{:g} epochs", "num_params": "{:,} params"}
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = "osD^v<>pPX*h"
@@ -208,6 +210,35 @@ def markdown_table(runs: list[Run]) -> str:
         note = f" {m.note}" if m.note else ""
         lines.append(f"\nReference: the {m.display}, {value:.{m.decimals}f}{note}.")
     return "\n".join(lines) + "\n"
+
+
+#: Seconds per step of each phase, as `distlion.train.StepClock` logs them.
+PHASE_COLUMNS = {"time_compute": "compute", "time_encode": "encode", "time_comm": "communicate",
+                 "time_comm_hidden": "of which hidden", "time_apply": "decode + apply", "time_step": "step"}
+
+
+def step_times(run: Run, skip: int = 2) -> dict[str, float]:
+    """A run's mean seconds per step of each phase over its logged lines, the first `skip` (start-up) left out."""
+    lines = [p for p in run["curve"] if "time_step" in p]
+    lines = lines[skip:] if len(lines) > skip else lines
+    return {k: statistics.fmean(p.get(k, 0.0) for p in lines) for k in PHASE_COLUMNS} if lines else {}
+
+
+def step_time_table(runs: list[Run]) -> str:
+    """Per group, the mean over seeds of each phase's seconds per step (empty for runs without step times)."""
+    keys = varying_keys(runs)
+    rows = []
+    for values, members in group_runs(runs, keys).items():
+        times = [t for t in (step_times(r) for r in members) if t]
+        if times:
+            cells = [f"{1e3 * statistics.fmean(t[k] for t in times):.1f}" for k in PHASE_COLUMNS]
+            rows.append(f"| {legend_text(keys, values)} | " + " | ".join(cells) + f" | {len(times)} |")
+    if not rows:
+        return ""
+    header = "| run | " + " | ".join(PHASE_COLUMNS.values()) + " | n |"
+    return ("Milliseconds per step, by phase (mean over the logged steps after start-up, then over seeds; "
+            "communication hidden behind backward is part of `communicate` and not of `step`):\n\n"
+            + header + "\n|---|" + "---:|" * (len(PHASE_COLUMNS) + 1) + "\n" + "\n".join(rows) + "\n")
 
 
 def pivot_table(runs: list[Run], columns: str = "workers") -> str:
@@ -590,6 +621,13 @@ def plot_metric_vs_bits(runs: list[Run], path: Path) -> Axes:
                         reference=metric, log_x=True)
 
 
+def plot_metric_vs_time(runs: list[Run], path: Path) -> Axes:
+    """The validation metric logged during training against wall-clock seconds (evaluations included)."""
+    metric = curve_metric(runs)
+    return _plot_curves(runs, path, "wall_time", metric.key, metric.scale, "wall-clock time (s, evaluations included)",
+                        metric.display, reference=metric)
+
+
 def plot_loss_curves(runs: list[Run], path: Path) -> Axes:
     """Train loss against epochs, one line per group (mean over seeds)."""
     return _plot_curves(runs, path, "epoch", "train_loss", 1.0, "epoch", "train loss")
@@ -709,12 +747,17 @@ def write_report(
     parts.append(markdown_table(runs))
     if targets:
         parts.append(time_to_target_table(runs, targets))
+    times = step_time_table(runs)
+    if times:
+        parts.append(times)
     parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
+    plot_metric_vs_time(runs, out / "metric_vs_time.png")
     plot_metric_vs_bits_per_iter(runs, out / "metric_vs_bits_per_iter.png")
     plot_metric_curves(runs, out / "metric_curves.png")
     plot_loss_curves(runs, out / "loss_curves.png")
-    plots = ["metric_vs_bits.png", "metric_vs_bits_per_iter.png", "metric_curves.png", "loss_curves.png"]
+    plots = ["metric_vs_bits.png", "metric_vs_time.png", "metric_vs_bits_per_iter.png", "metric_curves.png",
+             "loss_curves.png"]
     if len({r["workers"] for r in runs}) > 1:
         plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
         plots.insert(1, "metric_vs_workers.png")

@@ -48,6 +48,8 @@ def config_hash(cfg: DictConfig) -> str:
     # tuning trial without it is another run, so a final run is never skipped as the trial's finished twin.
     if config.get("train", {}).get("test_eval", True):
         not_hashed.append("train.test_eval")
+    if config.get("cluster", {}).get("link") is None:  # runs made before links keep their hash
+        not_hashed.append("cluster.link")
     for dotted in not_hashed:
         *parents, leaf = dotted.split(".")
         node = config

@@ -30,7 +30,7 @@ from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
 from distlion.cluster.sampler import ShardedSampler
-from distlion.config import validate
+from distlion.config import LINK_ENV, validate
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import Method, variant_of
@@ -177,6 +177,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "workers": workers,
             "per_worker_batch": cfg.cluster.per_worker_batch,
             "global_batch": workers * cfg.cluster.per_worker_batch,
+            "link": os.environ.get(LINK_ENV),  # the rate of each rank's emulated link (distlion-netem)
             "task": cfg.task.get("name", type(task).__name__),
             "seed": cfg.seed,
             "steps": steps,

@@ -56,6 +56,13 @@ class SpecError(ValueError):
     """A tuning section that cannot give every method the same, honest search."""
 
 
+def yaml_float(value: float) -> str:
+    """`value` as YAML reads back a float (3 significant digits): "0.0", not "0", which is an int and would give
+    the final runs another config hash than their trials."""
+    text = f"{value:g}"
+    return text if any(c in text for c in ".einf") else f"{text}.0"
+
+
 def _round(value: float) -> float:
     return float(f"{value:.3g}")  # 3 significant digits: readable run directories and tuned files
 
@@ -339,9 +346,9 @@ def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: st
              f"{len(c.runs)} trials, {c.steps} trial-steps, {c.wall:.0f} s."]
     if c.edges:
         lines.append(f"# WARNING: accepted on the edge of its grid ({'; '.join(c.edges)}): widen the grid.")
-    lines += ["method:", f"  lr: {lr:g}"]
+    lines += ["method:", f"  lr: {yaml_float(lr)}"]
     if wd is not None:
-        lines.append(f"  weight_decay: {wd:g}")
+        lines.append(f"  weight_decay: {yaml_float(wd)}")
     if kept:
         lines.append("  # kept from the file the trials ran with (not tuned here):")
         lines += [f"  {line}" for line in yaml.safe_dump(kept, default_flow_style=None, sort_keys=False).splitlines()]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -94,3 +96,54 @@ def test_report_tables_and_csv_carry_the_runs_numbers(sweeps):
     for plot in plots:
         assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert plot in page
+
+
+def test_a_sweep_expands_into_its_single_run_points_as_hydra_reads_it():
+    from distlion.experiment import sweep_points
+
+    points = sweep_points("method=dlion,ddp cluster.workers=4,8 method.betas=[0.9,0.99]")
+    assert points == [["method=dlion", "cluster.workers=4", "method.betas=[0.9,0.99]"],
+                      ["method=dlion", "cluster.workers=8", "method.betas=[0.9,0.99]"],
+                      ["method=ddp", "cluster.workers=4", "method.betas=[0.9,0.99]"],
+                      ["method=ddp", "cluster.workers=8", "method.betas=[0.9,0.99]"]]
+
+
+NETEM_SPEC = """
+name: linked
+base: [cluster=torchdist, task=digits, cluster.workers=2, cluster.per_worker_batch=8, train.steps=3,
+       train.num_evals=1, train.log_every=1, logger=none, train.progress=false, train.test_eval=false]
+sweeps:
+  - method=dlion
+netem: {ranks: 2, rates: [none]}
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="needs root and iproute2 (distlion-netem)")
+def test_a_spec_with_links_runs_each_point_under_distlion_netem_and_records_the_link(tmp_path):
+    spec = tmp_path / "linked.yaml"
+    spec.write_text(NETEM_SPEC)
+    refused = subprocess.run([sys.executable, "-m", "distlion.experiment", str(spec), "--jobs", "2"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "run it with --jobs 1" in refused.stderr
+    done = subprocess.run([sys.executable, "-m", "distlion.experiment", str(spec), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (summary,) = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "linked").glob("*/summary.json")]
+    assert summary["link"] == "none" and summary["workers"] == 2 and summary["steps"] == 3
+    assert "link check" in done.stdout
+    assert "Milliseconds per step, by phase" in (tmp_path / "results" / "linked" / "results.md").read_text()
+
+
+def test_a_run_asked_for_a_link_refuses_to_run_on_another(make_cfg, monkeypatch):
+    from distlion.config import ConfigError, validate
+
+    cfg = make_cfg("cluster=torchdist", "cluster.workers=1", "cluster.link=1gbit")
+    monkeypatch.delenv("DISTLION_LINK", raising=False)
+    with pytest.raises(ConfigError, match="cluster.link=1gbit but this process runs on no emulated link; launch it "
+                                          "with distlion-netem --rate 1gbit"):
+        validate(cfg)
+    monkeypatch.setenv("DISTLION_LINK", "100mbit")
+    with pytest.raises(ConfigError, match="runs on 100mbit"):
+        validate(cfg)
+    monkeypatch.setenv("DISTLION_LINK", "1gbit")
+    validate(cfg)

@@ -265,3 +265,14 @@ def test_tune_runs_no_final_run_while_a_choice_lies_on_the_edge(tmp_path, monkey
     assert len(sweeps) == 1  # the trials' sweeps only, no final runs
     assert not (tmp_path / "runs" / "edge" / "final").exists()
     assert "Tuned" not in (tmp_path / "conf" / "tuned" / "digits_adamw.yaml").read_text()
+
+
+def test_tuned_values_are_written_as_floats_even_when_whole():
+    from omegaconf import OmegaConf
+
+    from distlion.tuning import yaml_float
+
+    # A weight decay of 0 written as "0" would load as an int: another config hash than the trials' 0.0.
+    for value in (0.0, 1.0, 30.0, 1e-5, 0.00464, 1e6):
+        loaded = OmegaConf.create(f"v: {yaml_float(value)}").v
+        assert isinstance(loaded, float) and loaded == pytest.approx(value, rel=1e-3)
