@@ -113,7 +113,7 @@ class Calibration:
                 "step": self.compute + self.codec + comm - hidden}
 
 
-def calibrate(run_dir: Path, skip: int = 3, buckets: int | None = None) -> Calibration:
+def calibrate(run_dir: Path, skip: int = 2, buckets: int | None = None) -> Calibration:
     """A method's phase times, averaged over a finished run's logged steps after the first `skip` metrics lines
     (start-up, DDP's bucket rebuild), and its collectives from its measured bits per parameter per step."""
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -352,15 +352,18 @@ def torchrun_ranks(command: list[str]) -> int | None:
     return None
 
 
-def rank_commands(command: list[str], topology: Topology, port: int = MASTER_PORT) -> list[RankCommand]:
+def rank_commands(command: list[str], topology: Topology, port: int = MASTER_PORT,
+                  measured: float | None = None) -> list[RankCommand]:
     """Each rank's argv (run in its namespace) and environment. A torchrun command becomes one one-process
-    node per namespace; any other command gets the env:// variables."""
+    node per namespace; any other command gets the env:// variables. `measured`: the link check's bits/s."""
     parts = _torchrun_parts(command)
     world, master = topology.ranks, topology.address(0)
     commands = []
     for rank in range(world):
         # DISTLION_LINK: what the runner records as the run's link (and checks against cluster.link).
         env = {**os.environ, "GLOO_SOCKET_IFNAME": topology.interface, "DISTLION_LINK": topology.rate or "none"}
+        if measured is not None:
+            env["DISTLION_LINK_MEASURED"] = f"{measured:.6g}"  # bits/s of TCP payload, rank0 -> rank1
         if parts:
             launcher, options, script = parts
             kept = [token for name, tokens in options if name not in _TORCHRUN_REPLACED for token in tokens]
@@ -488,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"distlion-netem: {ranks} ranks, links of {topology.rate or 'uncapped rate'}"
                   f"{f', {topology.delay} one-way delay' if topology.delay else ''}, in namespaces "
                   f"{topology.name}-r*", flush=True)
+            measured = None
             if options.check or (not options.no_check and ranks >= 2):
-                check_link(topology)
-            return run_ranks(rank_commands(command, topology, options.master_port)) if command else 0
+                measured = check_link(topology)
+            return run_ranks(rank_commands(command, topology, options.master_port, measured)) if command else 0
     except NetemError as error:
         print(f"distlion-netem: error: {error}", file=sys.stderr)
         return 2

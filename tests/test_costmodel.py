@@ -49,3 +49,19 @@ def test_a_calibrated_step_moves_to_another_link_by_what_the_link_changes():
     fast = Link(bandwidth=None, alpha=0.0)
     shorter = ddp.step(fast, reference)
     assert shorter["hidden"] == pytest.approx(5 / 6 * shorter["comm"]) and shorter["comm"] < 0.6
+
+
+def test_scale_predictions_follow_the_model_by_hand():
+    from distlion.wallclock import Workload, powersgd_entries, scale_step
+
+    # PowerSGD's rule: a 100 x 100 matrix at rank 4 sends 800 entries (< half of 10,000); a 4 x 4 one and a vector
+    # go whole.
+    assert powersgd_entries([(100, 100), (4, 4), (7,)], rank=4) == 800 + 16 + 7
+    load = Workload("toy", params=8e6, powersgd_entries=1e5, compute_s=1.0, source="by hand")
+    # D-Lion at N=4 on 8 Gbit/s, alpha 10 us: all-to-all of 1 MB (0.75 MB per rank, 3 rounds) and all-gather of
+    # 0.25 MB per rank (0.75 MB, 3 rounds): 1.5 MB = 12 Mbit -> 1.5 ms + 6 x 10 us; codec 25 n bytes at 1.5 TB/s.
+    assert scale_step("dlion", load, 4, 8) == pytest.approx(1.0 + 25 * 8e6 / 1.5e12 + 1.5e-3 + 60e-6)
+    # bf16 DDP: 16 MB in 2 buckets of the ring (2 x 3/4 of it per rank = 24 MB = 192 Mbit -> 24 ms), 12 rounds,
+    # hidden behind 2/3 s of backward but for the last bucket's half.
+    comm = 24e-3 + 12 * 10e-6
+    assert scale_step("ddp_bf16", load, 4, 8) == pytest.approx(1.0 + 6 * 8e6 / 1.5e12 + comm / 2)

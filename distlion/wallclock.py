@@ -1,0 +1,252 @@
+"""The wall-clock report of a spec run on links (`netem:` in the spec; issue 14).
+
+From the runs of each method on each link (`cluster.link`, measured under distlion-netem):
+
+- the step time by phase, measured;
+- the cost model (`distlion.costmodel`) calibrated on each method's run on the reference link (uncapped),
+  its predicted step time on the other links against the measured one;
+- time to the validation target on each link: a run's steps are the same computation on every link (the
+  link changes when bytes arrive, not what they are), so the steps to target come from the longest run of the
+  method (on the reference link) and the seconds from the measured step time on each link;
+- accuracy against wall-clock time per link, and the same curves redrawn at links no run used;
+- a model prediction past this machine: D-Lion's speedup over bf16 DDP and PowerSGD for ViT-B/16 and a 7B
+  LLaMA at 8-64 workers on 10-400 Gbit/s, from cited per-GPU compute times.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+from distlion.costmodel import Calibration, Link, Transfer, calibrate, comm_seconds
+from distlion.report import Run, curve_metric, first_reaching, load_runs, step_times
+from distlion.tasks.base import Metric
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REFERENCE = "none"
+
+
+def link_rate(link: str) -> float | None:
+    """Bits/s of a tc rate string (None: uncapped)."""
+    from distlion.netem import parse_rate
+
+    return parse_rate(link)
+
+
+def by_method_and_link(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r["label"], r.get("link") or REFERENCE), []).append(r)
+    return groups
+
+
+def measured_step(members: list[Run]) -> float:
+    """Mean seconds per step over the runs' logged steps after start-up (`report.step_times`)."""
+    return statistics.fmean(step_times(r)["time_step"] for r in members)
+
+
+def reference_link(runs: list[Run]) -> Link:
+    """The uncapped link as its runs measured it (the link check before each), latency in the calibration."""
+    measured = [r["link_measured"] for r in runs
+                if (r.get("link") or REFERENCE) == REFERENCE and r.get("link_measured")]
+    return Link(statistics.fmean(measured) if measured else None)
+
+
+def link_of(name: str) -> Link:
+    """A capped link at its rate; TCP payload gets 1448 of every 1514 bytes on the wire (measured: 95.6%)."""
+    rate = link_rate(name)
+    return Link(None if rate is None else rate * 1448 / 1514)
+
+
+def validation_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per method and capped link: measured and predicted seconds per step and the model's error."""
+    groups = by_method_and_link(runs)
+    reference = reference_link(runs)
+    rows = []
+    for (label, link), members in sorted(groups.items()):
+        base = groups.get((label, REFERENCE))
+        if base is None:
+            continue
+        calibration = calibrate(Path(base[0]["run_dir"]))
+        predicted = calibration.step(link_of(link) if link != REFERENCE else reference, reference)["step"]
+        measured = measured_step(members)
+        rows.append({"method": label, "link": link, "measured": measured, "predicted": predicted,
+                     "error": predicted / measured - 1})
+    return rows
+
+
+@dataclass
+class ToTarget:
+    label: str
+    steps: int | None
+    seconds: dict[str, float | None]
+
+
+def time_to_target(runs: list[Run], metric: Metric, value: float) -> list[ToTarget]:
+    """Per method: the steps its longest run needed to reach `value`, and the seconds on each link."""
+    groups = by_method_and_link(runs)
+    links = sorted({link for _, link in groups}, key=lambda x: link_rate(x) or math.inf)
+    out = []
+    for label in sorted({label for label, _ in groups}):
+        longest = max((r for (lab, _), ms in groups.items() if lab == label for r in ms), key=lambda r: r["steps"])
+        reached = first_reaching(longest["curve"], metric.key, value, metric.higher_is_better)
+        steps = reached["step"] if reached else None
+        seconds = {link: (steps * measured_step(groups[(label, link)]) if steps and (label, link) in groups else None)
+                   for link in links}
+        out.append(ToTarget(label, steps, seconds))
+    return out
+
+
+def plot_accuracy_vs_time(runs: list[Run], path: Path) -> None:
+    """The validation metric of each method's longest run against the seconds its steps take on each link."""
+    groups = by_method_and_link(runs)
+    links = sorted({link for _, link in groups}, key=lambda x: link_rate(x) or math.inf)
+    metric = curve_metric(runs)
+    fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), squeeze=False, sharey=True)
+    for ax, link in zip(axes[0], links, strict=True):
+        for label in sorted({lab for lab, _ in groups}):
+            if (label, link) not in groups:
+                continue
+            longest = max((r for (lab, _), ms in groups.items() if lab == label for r in ms), key=lambda r: r["steps"])
+            step_s = measured_step(groups[(label, link)])
+            points = [p for p in longest["curve"] if metric.key in p]
+            ax.plot([p["step"] * step_s for p in points], [metric.scale * p[metric.key] for p in points],
+                    marker="o", markersize=3, label=label)
+        ax.set_title(f"link {link} (steps x measured step time)", fontsize=9)
+        ax.set_xlabel("training time (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(metric.display)
+    axes[0][-1].legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Past this machine: a model prediction from cited per-GPU compute times.
+
+@dataclass(frozen=True)
+class Workload:
+    """A model trained data-parallel: parameters, its PowerSGD payload, and one worker's compute per step."""
+
+    name: str
+    params: float
+    powersgd_entries: float  # entries PowerSGD (rank 4) all-reduces per step: factors + uncompressed tensors
+    compute_s: float
+    source: str
+
+
+def powersgd_entries(shapes: list[tuple[int, ...]], rank: int = 4) -> int:
+    """Entries torch's PowerSGD all-reduces for these gradient shapes (its rule: factors when under half)."""
+    entries = 0
+    for shape in shapes:
+        rows, numel = shape[0], math.prod(shape)
+        cols = numel // rows
+        r = min(rows, cols, rank)
+        compress = len(shape) > 1 and (rows + cols) * r * 2 < numel
+        entries += (rows + cols) * r if compress else numel
+    return entries
+
+
+def transformer_shapes(layers: int, width: int, hidden: int, vocab: int, extra: int = 0) -> list[tuple[int, ...]]:
+    """Gradient shapes of a pre-norm transformer: attention (4 width x width), MLP, norms, embeddings."""
+    mlp = [(hidden, width), (width, hidden)] if extra == 0 else [(hidden, width)] * 2 + [(width, hidden)]
+    block = [(width, width)] * 4 + mlp + [(width,), (width,)]
+    return [s for _ in range(layers) for s in block] + [(vocab, width)]
+
+
+def workloads() -> list[Workload]:
+    vit = transformer_shapes(12, 768, 3072, 1000)
+    llama = transformer_shapes(32, 4096, 11008, 32000, extra=1) + [(32000, 4096)]
+    return [
+        Workload("ViT-B/16 (86M), 128 images/worker", 86.6e6, powersgd_entries(vit), 128 / 252,
+                 "DeiT-B: 300 ImageNet epochs in 53 h on 8 V100 (Touvron et al. 2021) = 252 images/s/GPU"),
+        Workload("LLaMA 7B, 16k tokens/worker", 6.74e9, powersgd_entries(llama), 16384 / 3014,
+                 "Llama 2 7B: 2.0T tokens in 184,320 A100-80GB hours (Touvron et al. 2023, Table 2) "
+                 "= 3,014 tokens/s/GPU"),
+    ]
+
+
+#: HBM bandwidth of an A100 (1.5 TB/s, 40 GB): the codecs are memory-bound elementwise passes.
+HBM_BYTES_PER_S = 1.5e12
+#: Latency per collective round on a datacenter network (RDMA/NCCL order of magnitude; an assumption).
+ALPHA_S = 10e-6
+
+
+def scale_step(method: str, load: Workload, workers: int, gbit: float) -> float:
+    """Predicted seconds per step. DDP overlaps its all-reduce with backward (2/3 of compute) but for the last
+    25 MB bucket; D-Lion's exchange runs after backward (not overlapped, as implemented here)."""
+    n, link = load.params, Link(gbit * 1e9, ALPHA_S)
+    buckets = max(1, math.ceil(4 * n / 25e6))
+    if method == "dlion":
+        steps = [Transfer("all_to_all", n / 8), Transfer("all_gather", n / 8 / workers)]
+        codec = 25 * n / HBM_BYTES_PER_S  # read m, g, x; write m, x; packed signs
+        return load.compute_s + codec + comm_seconds(steps, workers, link)
+    payload = {"ddp_bf16": 2 * n, "powersgd": 4 * load.powersgd_entries}[method]
+    comm = comm_seconds([Transfer("all_reduce", payload, calls=buckets)], workers, link)
+    codec = (6 if method == "ddp_bf16" else 20) * n / HBM_BYTES_PER_S
+    last = comm / buckets
+    exposed = max(comm - 2 / 3 * load.compute_s, last)
+    return load.compute_s + codec + exposed
+
+
+def scale_table(workers: tuple[int, ...] = (8, 16, 64), gbits: tuple[float, ...] = (10, 25, 100, 400)) -> str:
+    lines = ["| model | N | " + " | ".join(f"{g:g} Gbit/s" for g in gbits) + " |",
+             "|---|---:|" + "---:|" * len(gbits)]
+    for load in workloads():
+        for n in workers:
+            cells = []
+            for g in gbits:
+                dlion = scale_step("dlion", load, n, g)
+                cells.append(f"{scale_step('ddp_bf16', load, n, g) / dlion:.2f}x / "
+                             f"{scale_step('powersgd', load, n, g) / dlion:.2f}x")
+            lines.append(f"| {load.name} | {n} | " + " | ".join(cells) + " |")
+    notes = [f"- {load.name}: {load.source}; PowerSGD rank 4 sends {load.powersgd_entries / load.params:.2%} "
+             "of the entries." for load in workloads()]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def write(runs_dir: Path, out: Path, metric_value: float | None = None) -> str:
+    """results/<spec>/wallclock.md and its plot; returns the Markdown."""
+    runs = load_runs(runs_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = ["# Wall-clock\n"]
+    rows = validation_rows(runs)
+    if rows:
+        parts.append("Seconds per step, measured under distlion-netem and predicted by the cost model calibrated "
+                     "on each method's run on the uncapped link:\n\n| method | link | measured (s) | predicted (s) "
+                     "| error |\n|---|---|---:|---:|---:|")
+        parts += [f"| {r['method']} | {r['link']} | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.0%} |"
+                  for r in rows]
+        parts.append("")
+    if metric_value is not None:
+        metric = curve_metric(runs)
+        table = time_to_target(runs, metric, metric_value)
+        links = list(table[0].seconds) if table else []
+        parts.append(f"Time to {metric.display} {metric.scale * metric_value:.{metric.decimals}f}: the steps of the "
+                     "method's longest run to the target, times its measured step time on each link:\n")
+        parts.append("| method | steps | " + " | ".join(f"{link} (s)" for link in links) + " |")
+        parts.append("|---|---:|" + "---:|" * len(links))
+        for t in table:
+            cells = [f"{s:.0f}" if s is not None else "not reached" for s in t.seconds.values()]
+            parts.append(f"| {t.label} | {t.steps if t.steps is not None else 'not reached'} | "
+                         + " | ".join(cells) + " |")
+        parts.append("")
+    plot_accuracy_vs_time(runs, out / "accuracy_vs_time.png")
+    parts.append("![accuracy against training time per link](accuracy_vs_time.png)\n")
+    parts.append("A model prediction past this machine: D-Lion MaVo's speedup in step time over bf16 DDP / over "
+                 "PowerSGD (rank 4), alpha-beta on a switched network (alpha 10 us per round), codecs memory-bound "
+                 "on an A100's 1.5 TB/s:\n")
+    parts.append(scale_table())
+    markdown = "\n".join(parts)
+    (out / "wallclock.md").write_text(markdown)
+    return markdown
+
+
+__all__ = ["Calibration", "ToTarget", "Workload", "scale_table", "time_to_target", "validation_rows", "write"]
