@@ -113,28 +113,34 @@ class Calibration:
                 "step": self.compute + self.codec + comm - hidden}
 
 
-def calibrate(run_dir: Path, skip: int = 2, buckets: int | None = None) -> Calibration:
-    """A method's phase times, averaged over a finished run's logged steps after the first `skip` metrics lines
-    (start-up, DDP's bucket rebuild), and its collectives from its measured bits per parameter per step."""
+def calibrate_times(method: str, times: dict[str, Any], workers: int) -> Calibration:
+    """A method's calibration from its measured seconds per step (`compute`, `encode`, `comm`, `comm_hidden`,
+    `apply`), its exchange and its bits per step (`up`, `down`: all parameters, one worker)."""
+    exchange = times["exchange"]
+    # DDP's buckets: 25 MB each (the payload's fp32 size sets how many rings run)
+    buckets = max(1, round(times["up"] / 8 / 25e6)) if exchange == "in_backward" else 1
+    return Calibration(method, workers, compute=times["compute"], codec=times["encode"] + times["apply"],
+                       comm=times["comm"], hidden=times.get("comm_hidden", 0.0),
+                       transfers=tuple(transfers(exchange, times["up"], times["down"], workers, buckets)),
+                       overlaps=exchange == "in_backward")
+
+
+def calibrate(run_dir: Path, skip: int = 2) -> Calibration:
+    """A method's calibration from a finished run: its phase times averaged over the logged steps after the
+    first `skip` metrics lines (start-up, DDP's bucket rebuild), its bits per step as measured."""
     summary = json.loads((run_dir / "summary.json").read_text())
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [line for line in lines if "time_step" in line][skip:] or [line for line in lines if "time_step" in line]
+    timed = [line for line in lines if "time_step" in line]
+    timed = timed[skip:] if len(timed) > skip else timed
     if not timed:
         raise ValueError(f"{run_dir}: no step times in metrics.jsonl (a run from before time_* was logged)")
-
-    def mean(key: str) -> float:
-        return statistics.fmean(line.get(key, 0.0) for line in timed)
-
-    exchange = summary.get("exchange") or _EXCHANGE.get(summary["method"], "mean")
-    n, params = summary["workers"], summary["num_params"]
-    up = statistics.fmean(line["bits_up_per_param"] for line in timed) * params
-    down = statistics.fmean(line["bits_down_per_param"] for line in timed) * params
-    buckets = buckets or int(summary.get("buckets", 1))
-    return Calibration(summary["method"], n, compute=mean("time_compute"),
-                       codec=mean("time_encode") + mean("time_apply"), comm=mean("time_comm"),
-                       hidden=mean("time_comm_hidden"),
-                       transfers=tuple(transfers(exchange, up, down, n, buckets)),
-                       overlaps=exchange == "in_backward")
+    params = summary["num_params"]
+    times = {key: statistics.fmean(line.get(f"time_{key}", 0.0) for line in timed)
+             for key in ("compute", "encode", "comm", "comm_hidden", "apply")}
+    times["up"] = statistics.fmean(line["bits_up_per_param"] for line in timed) * params
+    times["down"] = statistics.fmean(line["bits_down_per_param"] for line in timed) * params
+    times["exchange"] = summary.get("exchange") or _EXCHANGE.get(summary["method"], "mean")
+    return calibrate_times(summary["method"], times, summary["workers"])
 
 
 # How each registered method class exchanges (its `Method.exchange`), for runs that did not record it.

@@ -38,6 +38,7 @@ from distlion.cli import read_failures
 from distlion.methods import method_info
 from distlion.report import Target, derive_target, load_runs, write_report, write_task_target
 from distlion.tuning import SpecError, parse_tuning, trial_spec, write_tuning
+from distlion.wallclock import write as write_wallclock
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -75,14 +76,17 @@ def sweep_points(sweep: str) -> list[list[str]]:
 def netem_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[str]]:
     """One command per point, seed and link of a spec with a `netem: {ranks, rates}` section: torchrun with
     `ranks` ranks under distlion-netem, each rank on its own link of the rate, into runs_dir/<its overrides>.
+    `rates` is a list, or a mapping from each rate to overrides of its runs (e.g. a shorter train.steps).
     Timed runs: one at a time, so that they do not share the machine."""
-    ranks, rates = int(spec["netem"]["ranks"]), [str(r) for r in spec["netem"]["rates"]]
+    ranks, rates = int(spec["netem"]["ranks"]), spec["netem"]["rates"]
+    rates = {str(r): list(extra or []) for r, extra in rates.items()} if isinstance(rates, dict) else \
+        {str(r): [] for r in rates}
     commands = []
     for sweep in spec["sweeps"]:
         for point in sweep_points(sweep):
             for seed in spec.get("seeds", [0]):
-                for rate in rates:
-                    overrides = [*spec.get("base", []), *point, f"seed={seed}", f"cluster.link={rate}"]
+                for rate, per_rate in rates.items():
+                    overrides = [*spec.get("base", []), *point, *per_rate, f"seed={seed}", f"cluster.link={rate}"]
                     name = ",".join(sorted(overrides))
                     commands.append([
                         sys.executable, "-m", "distlion.netem", "--ranks", str(ranks), "--rate", rate, "--",
@@ -248,6 +252,10 @@ def main() -> None:
                 target = spec_target(spec, runs_dir, args.conf_dir if args.set_target else None)
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
                                 notes=spec.get("description"), target=target)
+            if "netem" in spec:  # measured and modelled step times per link, time to target per link
+                value = Target.of(target).value if target is not None else None
+                write_wallclock(runs_dir, results_dir, value)
+                print(f"wall-clock tables in {results_dir / 'wallclock.md'}")
             print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")
         except (FileNotFoundError, ValueError) as err:  # no finished run (the failures below say why), a bad target
             print(f"distlion: error: {err}", file=sys.stderr)

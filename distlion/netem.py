@@ -41,8 +41,17 @@ PREFIX = "dln"
 INTERFACE = "dln0"  # the rank's interface, the same name in every rank's namespace
 SUBNET = "10.77.0"
 MTU = 1500
-# As measured in PAPER.md: a burst of a few 64 KB GSO packets, and a queue of 100 ms at the rate.
-TBF = ("burst", "256kb", "latency", "100ms")
+# tbf's bucket holds 2.5 ms of traffic at the rate (at least 32 KB): a step's messages then wait for the rate
+# from their first bytes. Measured here, one timed transfer of 1 MB: 128 Mbit/s through a 100 Mbit/s cap with
+# the 256 KB burst of PAPER.md (its first 256 KB pass at once), 99 Mbit/s with 32 KB; at 1 Gbit/s a 32 KB
+# bucket starves the link (424-653 Mbit/s), 256 KB holds it (974 Mbit/s over 16 MB). Queue: 100 ms at the rate.
+BURST_S, MIN_BURST_BYTES = 2.5e-3, 32 * 1024
+TBF_LATENCY = ("latency", "100ms")
+
+
+def tbf_burst(rate: str) -> str:
+    """tbf's bucket for a rate: 2.5 ms of it, at least 32 KB, in tc's bytes."""
+    return f"{max(MIN_BURST_BYTES, round(parse_rate(rate) / 8 * BURST_S))}b"
 # Rank 0's namespace is created for this job and holds nothing else, so a fixed port cannot collide with
 # anything on the machine or in another distlion-netem's namespaces.
 MASTER_PORT = 29500
@@ -200,7 +209,7 @@ def _shape(namespace: str, device: str, rate: str | None, delay_s: float | None)
             raise
         parent = ["parent", "1:1", "handle", "10:"]
     if rate:
-        _run([*add, *parent, "tbf", "rate", rate, *TBF])
+        _run([*add, *parent, "tbf", "rate", rate, "burst", tbf_burst(rate), *TBF_LATENCY])
 
 
 def _build(topology: Topology) -> None:
@@ -292,13 +301,15 @@ def check_bytes(rate: str | None) -> int:
 
 
 def measure_rate(topology: Topology, src: int = 0, dst: int = 1, nbytes: int | None = None,
-                 timeout: float = 60.0) -> float:
-    """Bits/s of payload in one TCP transfer from rank `src` to rank `dst`. A little below a cap, since tbf
+                 timeout: float = 60.0, skip: int | None = None) -> float:
+    """Bits/s of payload in one TCP transfer from rank `src` to rank `dst`, timed after its first `skip` bytes
+    (default: up to 1 MB, past the bucket's burst and TCP's slow start). A little below a cap, since tbf
     counts headers: 1448 payload bytes travel in 1514 at MTU 1500, so 100mbit gives about 95.6 Mbit/s."""
     nbytes = check_bytes(topology.rate) if nbytes is None else nbytes
+    skip = min(_SKIP, nbytes // 4) if skip is None else skip
     address = topology.address(dst)
     receiver = subprocess.Popen([*topology.exec_prefix(dst), sys.executable, "-c", _RECEIVER, address,
-                                 str(nbytes), str(min(_SKIP, nbytes // 4))], stdout=subprocess.PIPE, text=True)
+                                 str(nbytes), str(skip)], stdout=subprocess.PIPE, text=True)
     try:
         port = receiver.stdout.readline().strip()
         sender = subprocess.run([*topology.exec_prefix(src), sys.executable, "-c", _SENDER, address, port,

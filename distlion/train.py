@@ -172,6 +172,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                                                                   cluster))
         summary = {
             "method": method.name,
+            "exchange": method.exchange,
             **{f"method.{k}": v for k, v in method.hparams().items() if k != "lr"},
             "lr": method.lr,
             "workers": workers,

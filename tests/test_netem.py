@@ -87,7 +87,11 @@ def test_torchrun_becomes_one_node_per_namespace():
 def test_capped_link_measures_its_cap_and_uncapped_far_more():
     with netem.links(2, "100mbit") as capped:
         measured = netem.measure_rate(capped)
+        # A step's message is timed from its first bytes: the bucket must not let a 1 MB one pass early (the
+        # 256 KB burst of PAPER.md measured 128 Mbit/s here).
+        short = netem.measure_rate(capped, nbytes=1 << 20, skip=0)
     assert 85e6 <= measured <= 115e6, measured
+    assert short <= 110e6, short
     with netem.links(2, "none") as uncapped:
         assert uncapped.rate is None
         assert netem.measure_rate(uncapped, src=1, dst=0) > 3 * 100e6
