@@ -31,7 +31,7 @@ lint: setup  ## ruff
 experiment: setup  ## run one spec of experiments/: make experiment NAME=demo [JOBS=2]
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --jobs $(or $(JOBS),1)
 
-tune: setup  ## tune a spec with a tuning section, write conf/tuned/, then its final runs: make tune NAME=demo_tuning [JOBS=2]
+tune: setup  ## tune a spec with a tuning section, write conf/tuned/, then its final runs: make tune NAME=demo [JOBS=2]
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --tune --jobs $(or $(JOBS),1)
 
 report: setup  ## rebuild a spec's tables and plots from finished runs: make report NAME=demo

@@ -213,15 +213,15 @@ def main() -> None:
         signal.signal(signal.SIGTERM, _stop)
         if args.conf_dir.resolve() != CONF and not (args.conf_dir / "config.yaml").exists():
             shutil.copytree(CONF, args.conf_dir, dirs_exist_ok=True)  # a copy whose tuned/ the tuning rewrites
-    if tuning is not None and (args.tune or args.tune_only or args.report_only):
-        if not args.report_only:
-            commands = sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir)
-            _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])  # failed trials are listed
+    # The tuning's report (tuning.md, the tuned files) is written by the tuning alone: --report-only leaves it.
+    if tuning is not None and (args.tune or args.tune_only):
+        commands = sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir)
+        _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])  # failed trials are listed
         flags = ["--tune-only" if args.tune_only else "--tune", *(["--accept-edge"] if args.accept_edge else [])]
         try:
             with report_lock(base_dir):
                 choices = write_tuning(spec, tuning, trials_dir, results_dir, f"{shown} {shlex.join(flags)}",
-                                       None if args.report_only else args.conf_dir / "tuned", args.accept_edge)
+                                       args.conf_dir / "tuned", args.accept_edge)
             print(f"tuning reported in {results_dir / 'tuning.md'}")
             on_edge = [c.label for c in choices if c.edges]
             if args.tune and on_edge and not args.accept_edge:  # the final runs would use stale settings
@@ -231,8 +231,7 @@ def main() -> None:
                 sys.exit(1)
         except (FileNotFoundError, SpecError) as err:
             print(f"distlion: error: {err}", file=sys.stderr)
-            if not args.report_only:
-                sys.exit(1)
+            sys.exit(1)
         if args.tune_only:
             return
     if not args.report_only and "netem" in spec:

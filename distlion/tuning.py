@@ -1,4 +1,4 @@
-"""Tuning as part of a spec: `distlion-experiment experiments/demo_tuning.yaml --tune` (issue 13).
+"""Tuning as part of a spec: `distlion-experiment experiments/demo.yaml --tune` (issue 13).
 
 A spec's `tuning:` section declares, per method, a log range of the learning rate and, where searched, of
 the weight decay or (Lion family, as Chen et al. recommend) of lr x wd; one grid density, one per-trial
