@@ -148,13 +148,17 @@ class DDPMethod(MeanGradientMethod):
 register(MethodInfo("ddp", DDPMethod, "DDP AdamW (fp32)", "global", "32", "32", order=2,
                     fixed={"compression": "none"}, reference="torch DistributedDataParallel",
                     summary="AdamW on DDP's fp32 all-reduce, overlapped with backward; `cluster=torchdist` only"))
-register(MethodInfo("ddp_bf16", DDPMethod, "DDP AdamW (bf16)", "quantized", "16", "16", order=3,
+register(MethodInfo("ddp_lion", DDPMethod, "DDP Lion (fp32)", "global", "32", "32", order=3,
+                    fixed={"compression": "none", "optimizer": "lion"}, reference="torch DistributedDataParallel",
+                    summary="`timm.optim.Lion` on DDP's fp32 all-reduce: G-Lion as users run it; "
+                            "`cluster=torchdist` only"))
+register(MethodInfo("ddp_bf16", DDPMethod, "DDP AdamW (bf16)", "quantized", "16", "16", order=4,
                     fixed={"compression": "bf16"}, reference="torch ddp_comm_hooks.bf16_compress_hook",
                     summary="AdamW on DDP's bf16-compressed all-reduce (its comm hook); `cluster=torchdist` only"))
-register(MethodInfo("ddp_fp16", DDPMethod, "DDP AdamW (fp16)", "quantized", "16", "16", order=4,
+register(MethodInfo("ddp_fp16", DDPMethod, "DDP AdamW (fp16)", "quantized", "16", "16", order=5,
                     fixed={"compression": "fp16"}, reference="torch ddp_comm_hooks.fp16_compress_hook",
                     summary="AdamW on DDP's fp16-compressed all-reduce (its comm hook); `cluster=torchdist` only"))
 register(MethodInfo("powersgd", DDPMethod, "PowerSGD AdamW", "quantized", "32*(pq + n_dense)/n", "32*(pq + n_dense)/n",
-                    order=5, fixed={"compression": "powersgd"}, reference="Vogels et al. 2019; torch powerSGD_hook",
+                    order=6, fixed={"compression": "powersgd"}, reference="Vogels et al. 2019; torch powerSGD_hook",
                     summary="AdamW on torch's PowerSGD hook (rank r, error feedback, warm start; plain fp32 for "
                             "its first `start_iter` steps); `cluster=torchdist` only"))

@@ -186,5 +186,5 @@ class DGC(SparseMeanMethod):
             self.decay.copy_(state["decay"])
 
 
-register(MethodInfo("dgc", DGC, "DGC", "sparse", "(64*k + 32*n_dense)/n", "min(64*U + 32*n_dense, 32*n)/n", order=8,
+register(MethodInfo("dgc", DGC, "DGC", "sparse", "(64*k + 32*n_dense)/n", "min(64*U + 32*n_dense, 32*n)/n", order=10,
                     summary="top-k of momentum-corrected velocity, 99.9% sparsity after warm-up (Lin et al. 2018)"))

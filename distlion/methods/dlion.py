@@ -98,8 +98,8 @@ class DLion(Method):
             self.params.add_(delta, alpha=-ctx.lr)
 
 
-register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1", "1", order=11, fixed={"aggregation": "mavo"},
+register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1", "1", order=13, fixed={"aggregation": "mavo"},
                     summary="`sign(sum_i sign(b1 m_i + (1-b1) g_i))`", reference="Liu et al. 2024, Algorithm 1"))
-register(MethodInfo("dlion_avg", DLion, "D-Lion (Avg)", "sign", "1", "ceil(log2(N + 1))", order=10,
+register(MethodInfo("dlion_avg", DLion, "D-Lion (Avg)", "sign", "1", "ceil(log2(N + 1))", order=12,
                     fixed={"aggregation": "avg"}, summary="`(1/N) sum_i sign(...)`",
                     reference="Liu et al. 2024, Algorithm 1"))

@@ -76,5 +76,5 @@ class GradDrop(SparseMeanMethod):
         return message
 
 
-register(MethodInfo("graddrop", GradDrop, "GradDrop", "sparse", "64*k/n", "min(64*U, 32*n)/n", order=7,
+register(MethodInfo("graddrop", GradDrop, "GradDrop", "sparse", "64*k/n", "min(64*U, 32*n)/n", order=9,
                     summary="top 1% of gradient + residual (Aji & Heafield 2017)"))

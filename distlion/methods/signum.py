@@ -61,6 +61,6 @@ class SignumVote(Method):
         self.params.mul_(1 - ctx.lr * self.weight_decay).add_(vote, alpha=-ctx.lr)
 
 
-register(MethodInfo("signum", SignumVote, "Signum (MaVo)", "sign", "1", "1", order=9,
+register(MethodInfo("signum", SignumVote, "Signum (MaVo)", "sign", "1", "1", order=11,
                     summary="`sign(sum_i sign(m_i))`, each worker's own momentum (Bernstein et al. 2019)",
                     reference="Bernstein et al. 2019, arXiv 1810.05291"))

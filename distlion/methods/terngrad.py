@@ -180,4 +180,4 @@ class TernGrad(MeanGradientMethod):
 
 
 register(MethodInfo("terngrad", TernGrad, "TernGrad", "quantized", "2 + 32*L/n", "ceil(log2(2*N + 1)) + 32*L/n",
-                    order=6, summary="stochastic ternary, per-layer scaler shared by max (Wen et al. 2017)"))
+                    order=8, summary="stochastic ternary, per-layer scaler shared by max (Wen et al. 2017)"))
