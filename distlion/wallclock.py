@@ -23,7 +23,7 @@ from typing import Any
 
 import matplotlib
 
-from distlion.costmodel import Calibration, Link, Transfer, calibrate, comm_seconds
+from distlion.costmodel import Link, Transfer, calibrate, comm_seconds
 from distlion.report import Run, curve_metric, first_reaching, load_runs, step_times
 from distlion.tasks.base import Metric
 
@@ -104,22 +104,29 @@ def time_to_target(runs: list[Run], metric: Metric, value: float) -> list[ToTarg
     return out
 
 
-def plot_accuracy_vs_time(runs: list[Run], path: Path) -> None:
-    """The validation metric of each method's longest run against the seconds its steps take on each link."""
+def plot_accuracy_vs_time(runs: list[Run], path: Path, predicted: tuple[str, ...] = ()) -> None:
+    """The validation metric of each method's longest run against the seconds its steps take on each link:
+    measured step times on the links the runs used, the cost model's on the `predicted` links."""
     groups = by_method_and_link(runs)
-    links = sorted({link for _, link in groups}, key=lambda x: link_rate(x) or math.inf)
+    measured = sorted({link for _, link in groups}, key=lambda x: link_rate(x) or math.inf)
+    panels = [(link, False) for link in measured] + [(link, True) for link in predicted if link not in measured]
     metric = curve_metric(runs)
-    fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), squeeze=False, sharey=True)
-    for ax, link in zip(axes[0], links, strict=True):
+    reference = reference_link(runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
+    for ax, (link, modelled) in zip(axes[0], panels, strict=True):
         for label in sorted({lab for lab, _ in groups}):
-            if (label, link) not in groups:
-                continue
             longest = max((r for (lab, _), ms in groups.items() if lab == label for r in ms), key=lambda r: r["steps"])
-            step_s = measured_step(groups[(label, link)])
+            if modelled and (label, REFERENCE) in groups:
+                model = calibrate(Path(groups[(label, REFERENCE)][0]["run_dir"]))
+                step_s = model.step(link_of(link), reference)["step"]
+            elif not modelled and (label, link) in groups:
+                step_s = measured_step(groups[(label, link)])
+            else:
+                continue
             points = [p for p in longest["curve"] if metric.key in p]
             ax.plot([p["step"] * step_s for p in points], [metric.scale * p[metric.key] for p in points],
                     marker="o", markersize=3, label=label)
-        ax.set_title(f"link {link} (steps x measured step time)", fontsize=9)
+        ax.set_title(f"link {link}: steps x {'modelled' if modelled else 'measured'} step time", fontsize=9)
         ax.set_xlabel("training time (s)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(metric.display)
@@ -238,8 +245,9 @@ def write(runs_dir: Path, out: Path, metric_value: float | None = None) -> str:
             parts.append(f"| {t.label} | {t.steps if t.steps is not None else 'not reached'} | "
                          + " | ".join(cells) + " |")
         parts.append("")
-    plot_accuracy_vs_time(runs, out / "accuracy_vs_time.png")
-    parts.append("![accuracy against training time per link](accuracy_vs_time.png)\n")
+    plot_accuracy_vs_time(runs, out / "accuracy_vs_time.png", predicted=("10gbit",))
+    parts.append("![accuracy against training time per link](accuracy_vs_time.png)\n\nThe last panel redraws the "
+                 "curves at a link no run used (10 Gbit/s), with the cost model's step times.\n")
     parts.append("A model prediction past this machine: D-Lion MaVo's speedup in step time over bf16 DDP / over "
                  "PowerSGD (rank 4), alpha-beta on a switched network (alpha 10 us per round), codecs memory-bound "
                  "on an A100's 1.5 TB/s:\n")
@@ -249,4 +257,20 @@ def write(runs_dir: Path, out: Path, metric_value: float | None = None) -> str:
     return markdown
 
 
-__all__ = ["Calibration", "ToTarget", "Workload", "scale_table", "time_to_target", "validation_rows", "write"]
+def main() -> None:
+    """`python -m distlion.wallclock RUNS_DIR OUT [--link 10gbit ...]`: redraw finished runs' accuracy against
+    training time at any link, from their measured steps and the cost model calibrated on their step times."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--link", action="append", default=[], help="a tc rate to redraw at (repeatable)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_accuracy_vs_time(load_runs(args.runs), args.out / "accuracy_vs_time.png", predicted=tuple(args.link))
+    print(f"wrote {args.out / 'accuracy_vs_time.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -95,3 +95,13 @@ def test_every_method_moves_the_bits_of_its_registry_formula(name, num_workers):
 def test_the_readme_method_table_is_the_registry_s():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert method_table() in readme, "regenerate README's method table: python -m distlion.methods"
+
+
+def test_a_run_that_does_not_record_a_setting_counts_the_classs_default_not_a_variants():
+    from distlion.methods import method_label
+
+    # ddp_lion fixes optimizer=lion; a run without the setting has the class's default, AdamW.
+    assert method_label("ddp", {}) == "DDP AdamW (fp32)"
+    assert method_label("ddp", {"optimizer": "lion"}) == "DDP Lion (fp32)"
+    assert method_label("dlion", {}) == "D-Lion (MaVo)"
+    assert method_label("dlion", {"aggregation": "avg"}) == "D-Lion (Avg)"

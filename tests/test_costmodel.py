@@ -65,3 +65,47 @@ def test_scale_predictions_follow_the_model_by_hand():
     # hidden behind 2/3 s of backward but for the last bucket's half.
     comm = 24e-3 + 12 * 10e-6
     assert scale_step("ddp_bf16", load, 4, 8) == pytest.approx(1.0 + 6 * 8e6 / 1.5e12 + comm / 2)
+
+
+def write_timed_run(root, method: str, link: str, step_s: float, steps: int, accuracies: list[float]) -> None:
+    """A finished run on a link: a metrics line every step with its phase times, an evaluation every 4."""
+    import dataclasses
+    import json
+
+    from distlion.tasks import task_metrics
+
+    run_dir = root / f"{method}-{link}"
+    run_dir.mkdir(parents=True)
+    summary = {"method": method, "exchange": "sharded" if method == "dlion" else "in_backward", "lr": 1e-3,
+               "workers": 4, "per_worker_batch": 8, "task": "digits", "seed": 0, "steps": steps, "num_params": 800,
+               "link": link, "link_measured": None, "val_accuracy": accuracies[-1], "metric": "test_accuracy",
+               "objective": "val_accuracy", "metrics": [dataclasses.asdict(m) for m in task_metrics("digits")],
+               "wall_time": steps * step_s, "config_hash": link}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    lines = []
+    for s in range(1, steps + 1):
+        line = {"step": s, "bits_up_per_param": 1.0, "bits_down_per_param": 1.0, "time_compute": step_s / 2,
+                "time_encode": 0.0, "time_comm": step_s / 2, "time_comm_hidden": 0.0, "time_apply": 0.0,
+                "time_step": step_s}
+        if s % 4 == 0:
+            line["val_accuracy"] = accuracies[s // 4 - 1]
+        lines.append(json.dumps(line))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_time_to_target_is_the_steps_of_the_longest_run_times_each_links_step_time(tmp_path):
+    from distlion.report import curve_metric, load_runs
+    from distlion.wallclock import time_to_target, write
+
+    write_timed_run(tmp_path, "dlion", "none", 0.5, 16, [0.2, 0.5, 0.8, 0.9])  # reaches 0.8 at step 12
+    write_timed_run(tmp_path, "dlion", "100mbit", 2.0, 8, [0.2, 0.5])
+    write_timed_run(tmp_path, "ddp", "none", 1.0, 16, [0.3, 0.6, 0.7, 0.85])  # reaches 0.8 at step 16
+    write_timed_run(tmp_path, "ddp", "100mbit", 8.0, 8, [0.3, 0.6])
+    runs = load_runs(tmp_path)
+    table = {t.label: t for t in time_to_target(runs, curve_metric(runs), 0.8)}
+    assert table["D-Lion (MaVo)"].steps == 12 and table["D-Lion (MaVo)"].seconds == {"100mbit": 24.0, "none": 6.0}
+    assert table["DDP AdamW (fp32)"].steps == 16
+    assert table["DDP AdamW (fp32)"].seconds == {"100mbit": 128.0, "none": 16.0}
+    markdown = write(tmp_path, tmp_path / "out", metric_value=0.8)
+    assert "| D-Lion (MaVo) | 12 | 24 | 6 |" in markdown
+    assert (tmp_path / "out" / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"

@@ -122,7 +122,8 @@ def variant_of(name: str, hparams: Mapping[str, Any]) -> MethodInfo:
     candidates = [i for i in METHODS.values() if i.cls.name == name]
     if not candidates:
         raise ValueError(f"no registered method has class name {name!r}")
-    matching = [i for i in candidates if all(hparams.get(k, i.defaults()[k]) == v for k, v in i.fixed.items())]
+    defaults = hyperparameters(candidates[0].cls)  # the class's own, not a variant's fixed ones
+    matching = [i for i in candidates if all(hparams.get(k, defaults[k]) == v for k, v in i.fixed.items())]
     return max(matching or candidates, key=lambda i: len(i.fixed))
 
 
