@@ -198,7 +198,7 @@ def train(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 # A bad setting, and the start of the line that must lead its error output.
 BAD_SETTINGS = {
-    "unknown option": (["method=foo"], "method=foo is not an option; choose one of method=adamw|dgc|dlion|"),
+    "unknown option": (["method=foo"], "method=foo is not an option; choose one of method=adamw|ddp|ddp_bf16|"),
     "unknown option in a sweep": (["-m", "method=dlion,lino"],
                                   "method=lino is not an option (did you mean method=lion?); choose one of"),
     "typo'd key": (["train.stepz=3"], "train.stepz is not a setting; did you mean train.steps?"),

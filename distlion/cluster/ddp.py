@@ -10,6 +10,7 @@ compute was over and the step waited for the network), `comm_hidden` the rest, o
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -20,6 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 from distlion.cluster.grads import LossFn, WorkerGrads
 from distlion.flat import FlatParams
 from distlion.methods.ddp import DDPMethod, PayloadLog
+
+# torch 2.14 renamed `broadcast_buffers` (deprecated) to `forward_sync_buffers`.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                   else {"broadcast_buffers": False})
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -40,7 +46,8 @@ class DDPGradients:
         if len(flat.dtypes) != 1:
             raise ValueError(f"method={method.name} needs one parameter dtype; the model has {flat.dtypes}")
         self.flat, self.method = flat, method
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=method.bucket_cap_mb, broadcast_buffers=False)
+        # Buffers (LLaMA's rotary frequencies) are equal on every rank: no broadcast before each forward.
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=method.bucket_cap_mb, **_NO_BUFFER_SYNC)
         state, hook = method.comm_hook(seed)
         self.spans: list[tuple[float, float]] = []
         self.ddp.register_comm_hook(state, self._timed(hook))
