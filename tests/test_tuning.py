@@ -189,7 +189,8 @@ def test_tuning_end_to_end_never_touches_the_test_split(tmp_path):
     assert {"split": "test", "trial": False} in evaluations  # and the final runs' test evaluation
     assert {"split": "test", "trial": True} not in evaluations
 
-    tuned = {p.stem: p.read_text() for p in (tmp_path / "conf" / "tuned").glob("*.yaml") if "Tuned " in p.read_text()}
+    tuned = {p.stem: p.read_text() for p in (tmp_path / "conf" / "tuned").glob("*.yaml")
+             if "spec tune," in p.read_text()}
     assert sorted(tuned) == ["digits_adamw", "digits_dlion"]  # the others: copies of conf/tuned
     assert "spec tune" in tuned["digits_dlion"] and "Objective: val_accuracy = " in tuned["digits_dlion"]
     assert "train.steps=3" in tuned["digits_dlion"] and "WARNING: accepted on the edge" in tuned["digits_dlion"]
@@ -264,7 +265,7 @@ def test_tune_runs_no_final_run_while_a_choice_lies_on_the_edge(tmp_path, monkey
     assert "G-AdamW: best point on the edge of the grid" in capsys.readouterr().err
     assert len(sweeps) == 1  # the trials' sweeps only, no final runs
     assert not (tmp_path / "runs" / "edge" / "final").exists()
-    assert "Tuned" not in (tmp_path / "conf" / "tuned" / "digits_adamw.yaml").read_text()
+    assert "spec edge," not in (tmp_path / "conf" / "tuned" / "digits_adamw.yaml").read_text()  # not written
 
 
 def test_tuned_values_are_written_as_floats_even_when_whole():
