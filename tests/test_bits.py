@@ -64,11 +64,15 @@ def packed_planes(message) -> int:
 SIMULATED = runnable_by("simulated")
 
 
+# The default of every method, and D-Lion's ternary messages (zero_sign="zero": z = 1 in the formulas).
+CASES = [(name, {}) for name in SIMULATED] + [(name, {"zero_sign": "zero"}) for name in ("dlion", "dlion_avg")]
+
+
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 8])
-@pytest.mark.parametrize("name", SIMULATED)
-def test_every_method_moves_the_bits_of_its_registry_formula(name, num_workers):
+@pytest.mark.parametrize(("name", "hparams"), CASES)
+def test_every_method_moves_the_bits_of_its_registry_formula(name, hparams, num_workers):
     gen = torch.Generator().manual_seed(num_workers)
-    sim = Simulation(name, [torch.randn(s, generator=gen) for s in LAYOUT], num_workers, lr=1e-3)
+    sim = Simulation(name, [torch.randn(s, generator=gen) for s in LAYOUT], num_workers, lr=1e-3, **hparams)
     exchanges = []
     exchange = sim.cluster.backend.exchange
 
@@ -82,7 +86,8 @@ def test_every_method_moves_the_bits_of_its_registry_formula(name, num_workers):
     n, (up, _) = sum(math.prod(s) for s in LAYOUT), exchanges[-1]
     sent = [set(m["indices"].tolist()) if "indices" in m.tensors else set() for m in up]
     symbols = {"n": n, "N": num_workers, "L": len(LAYOUT), "U": len(set().union(*sent)),
-               "n_dense": up[0]["dense"].numel() if "dense" in up[0].tensors else 0}
+               "n_dense": up[0]["dense"].numel() if "dense" in up[0].tensors else 0,
+               "z": int(hparams.get("zero_sign") == "zero")}
     info = METHODS[name]
     for i, bits in enumerate(out.bits_up):
         expected, _ = info.bits(**symbols, k=len(sent[i]))

@@ -13,7 +13,7 @@ from distlion import Simulation
 from distlion.cluster.grads import sequential_worker_grads
 from distlion.cluster.simulated import SimulatedCluster
 from distlion.flat import FlatParams
-from distlion.methods import build_method
+from distlion.methods import StepContext, build_method
 
 X0 = [1.0, -1.0, 0.5, 0.0, 2.0]
 # Three workers, five parameters; zeros make worker signs of exactly 0 (ties).
@@ -144,3 +144,48 @@ def test_dlion_differs_from_global_lion_with_disagreeing_workers():
     model, _, _ = train("dlion", 4, 20, lr=1e-3)
     glion, _, _ = train("lion", 4, 20, lr=1e-3)
     assert not all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), glion.parameters()))
+
+
+def test_one_worker_with_ternary_signs_is_timm_lion_bitwise_where_updates_are_zero():
+    """An embedding whose rows no token of the batch touches gets gradient rows of exactly 0: timm's Lion
+    leaves them (torch.sign(0) = 0), the 1-bit settings move them by lr, zero_sign="zero" leaves them too."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 8)
+    reference = nn.Embedding(50, 8)
+    reference.load_state_dict(embedding.state_dict())
+    optimizer = Lion(reference.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    sims = {rule: Simulation("dlion", [embedding.weight.detach()], 1, lr=1e-2, weight_decay=0.1, zero_sign=rule)
+            for rule in ("zero", "alternate")}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        tokens = torch.randint(0, 20, (16,), generator=g)  # rows 20..49 never used: their gradients stay 0
+        target = torch.randn(16, 8, generator=g)
+        optimizer.zero_grad()
+        (reference(tokens) - target).pow(2).mean().backward()
+        grad = reference.weight.grad.clone()
+        optimizer.step()
+        for sim in sims.values():
+            sim.step([[grad]])
+    (zero,) = sims["zero"].params
+    assert torch.equal(zero, reference.weight.detach())
+    (one_bit,) = sims["alternate"].params
+    untouched = slice(20, 50)  # weight decay only under Lion; the 1-bit rule moves them by lr each step
+    assert not torch.equal(one_bit[untouched], reference.weight.detach()[untouched])
+
+
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_ternary_server_rule_is_the_sum_of_the_workers_signs_including_zeros(aggregation):
+    method = build_method("dlion", aggregation=aggregation, zero_sign="zero").bind(torch.zeros(24), 4)
+    g = torch.Generator().manual_seed(3)
+    updates = [torch.randint(-1, 2, (24,), generator=g).float() for _ in range(4)]  # many exact zeros
+    messages = [method.worker_rule(u * 10, {"momentum": torch.zeros(24)}, StepContext(0, 1.0, 4))
+                for u in updates]
+    assert all(m.bits == 2 * 24 for m in messages)  # two planes up
+    down = method.server_rule(messages, StepContext(0, 1.0, 4))
+    total = torch.stack([torch.sign(u) for u in updates]).sum(0)
+    params = torch.zeros(24)
+    method.bind(params, 4)
+    method.apply_rule(down, StepContext(0, 1.0, 4))
+    expected = -(torch.sign(total) if aggregation == "mavo" else total / 4)
+    assert torch.equal(params, expected)
+    assert down.bits == (2 * 24 if aggregation == "mavo" else 4 * 24)  # ceil(log2(2 * 4 + 1)) = 4 planes

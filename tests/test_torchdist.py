@@ -34,6 +34,7 @@ COMMON = [f"train.steps={STEPS}", f"train.eval_every={STEPS}", "train.progress=f
 METHODS = {
     "dlion": (["method=dlion"], "sharded", True),
     "dlion_avg": (["method=dlion_avg"], "sharded", True),
+    "dlion_zero": (["method=dlion", "method.zero_sign=zero"], "sharded", True),  # ternary messages
     "signum": (["method=signum"], "sharded", True),
     "terngrad": (["method=terngrad"], "sharded", True),
     "dgc": (["method=dgc", "method.warmup_epochs=1"], "allgather", True),
@@ -294,7 +295,7 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
                 planes = 2 + 4  # two code planes up, ceil(log2(2N + 1)) = 4 sum planes down
             else:
                 sent, received = nominal_wire(exchange, up, down, rank)
-                planes = {"dlion": 2, "dlion_avg": 1 + 3, "signum": 2}.get(name, 0)
+                planes = {"dlion": 2, "dlion_avg": 1 + 3, "dlion_zero": 2 + 2, "signum": 2}.get(name, 0)
             if exchange == "mean":
                 assert abs(r["sent"] - sent) <= 1 and abs(r["received"] - received) <= 1
             elif exchange == "allgather":

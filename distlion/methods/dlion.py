@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from distlion.comm.message import Message
-from distlion.comm.packing import pack_bits, unpack_bits, unpack_uint
+from distlion.comm.packing import pack_bits, pack_uint, uint_width, unpack_bits, unpack_uint
 from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits
 from distlion.methods.base import Method, StepContext, check_betas, check_choice
 from distlion.methods.registry import MethodInfo, register
@@ -31,6 +31,14 @@ class DLion(Method):
     Both default to "alternate": +1 where (index + step) is even, else -1, so a coordinate with no
     information oscillates by lr instead of drifting (a parameter that never gets a gradient stays
     within lr of where it was). "positive" and "negative" send the tie always to +1 or -1.
+
+    zero_sign="zero" sends the 0 itself, as Lion's `torch.sign` does: a ternary message of two bit-planes
+    (the sign, and whether it is nonzero), 2 bits up; the server's result is ternary too (MaVo: sign of the
+    sum, 0 for a sum of 0, 2 bits down; Avg: the sum in [-N, N], ceil(log2(2N + 1)) bits down). With one
+    worker it is Lion exactly, including coordinates whose update is exactly 0 (an embedding row no token
+    of the batch used, before its momentum is nonzero), which the 1-bit settings move by lr. The default
+    stays 1 bit: exact zeros are rare in float32 once momenta have started, and they cost a second plane
+    every step.
     """
 
     name = "dlion"
@@ -47,7 +55,7 @@ class DLion(Method):
     ):
         super().__init__(lr, weight_decay)
         check_choice("aggregation", aggregation, AGGREGATIONS)
-        check_choice("zero_sign", zero_sign, TIE_RULES)
+        check_choice("zero_sign", zero_sign, (*TIE_RULES, "zero"))
         check_choice("mavo_tie", mavo_tie, TIE_RULES)
         self.betas = check_betas(betas)
         self.aggregation = aggregation
@@ -69,6 +77,10 @@ class DLion(Method):
         # Scratch buffers reused across workers and steps: fresh 4n-byte allocations page-fault.
         update = torch.mul(momentum, beta1, out=self._scratch).add_(grad, alpha=1 - beta1)
         signs = pack_bits(torch.gt(update, 0, out=self._mask))
+        if self.zero_sign == "zero":
+            nonzero = pack_bits(torch.ne(update, 0, out=self._mask))
+            momentum.lerp_(grad, 1 - beta2)
+            return Message({"signs": signs, "nonzero": nonzero})
         zeros = torch.eq(update, 0, out=self._mask)
         if zeros.any():  # rare: only then pay for packing the ties
             tie = tie_bits(self.zero_sign, signs.numel(), ctx.step, signs.device)
@@ -78,15 +90,35 @@ class DLion(Method):
         return Message({"signs": signs})
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
+        if self.zero_sign == "zero":
+            return self._ternary_server_rule(messages)
         signs = torch.stack([m["signs"] for m in messages])
         if self.aggregation == "mavo":
             tie = tie_bits(self.mavo_tie, signs.shape[1], ctx.step, signs.device)
             return Message({"vote": majority_vote(signs, tie)})
         return Message({"counts": count_votes(signs)})
 
+    def _ternary_server_rule(self, messages: list[Message]) -> Message:
+        """Sum of the workers' {-1, 0, +1}, per coordinate of the packed planes (bytewise, so it shards)."""
+        numel = 8 * messages[0]["signs"].shape[-1]
+        positive = torch.stack([unpack_bits(m["signs"], numel) for m in messages])
+        nonzero = torch.stack([unpack_bits(m["nonzero"], numel) for m in messages])
+        total = (positive & nonzero).sum(0) - (~positive & nonzero).sum(0)
+        if self.aggregation == "mavo":
+            return Message({"vote": pack_bits(total > 0), "nonzero": pack_bits(total != 0)})
+        return Message({"sums": pack_uint(total + len(messages), uint_width(2 * len(messages)))})
+
     def apply_rule(self, down: Message, ctx: StepContext) -> None:
         n = self.params.numel()
         self.params.mul_(1 - ctx.lr * self.weight_decay)
+        if self.zero_sign == "zero":
+            if self.aggregation == "mavo":  # Delta in {-1, 0, +1}, as Lion's sign
+                vote = unpack_bits(down["vote"], n).to(self.params.dtype).mul_(2).sub_(1)
+                delta = vote.mul_(unpack_bits(down["nonzero"], n))
+            else:
+                delta = unpack_uint(down["sums"], n).sub_(ctx.num_workers).to(self.params.dtype).div_(ctx.num_workers)
+            self.params.add_(delta, alpha=-ctx.lr)
+            return
         if self.aggregation == "mavo":
             # -lr * Delta with Delta = +-1, in one pass over the unpacked bits.
             plus, minus = (torch.tensor(v, dtype=self.params.dtype) for v in (-ctx.lr, ctx.lr))
@@ -98,8 +130,8 @@ class DLion(Method):
             self.params.add_(delta, alpha=-ctx.lr)
 
 
-register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1", "1", order=13, fixed={"aggregation": "mavo"},
+register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1 + z", "1 + z", order=13, fixed={"aggregation": "mavo"},
                     summary="`sign(sum_i sign(b1 m_i + (1-b1) g_i))`", reference="Liu et al. 2024, Algorithm 1"))
-register(MethodInfo("dlion_avg", DLion, "D-Lion (Avg)", "sign", "1", "ceil(log2(N + 1))", order=12,
+register(MethodInfo("dlion_avg", DLion, "D-Lion (Avg)", "sign", "1 + z", "ceil(log2((1 + z) * N + 1))", order=12,
                     fixed={"aggregation": "avg"}, summary="`(1/N) sum_i sign(...)`",
                     reference="Liu et al. 2024, Algorithm 1"))

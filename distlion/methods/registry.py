@@ -12,6 +12,7 @@ Bit formulas are Python expressions, in bits per parameter per step, of:
   n_dense  entries a sparse or low-rank method always sends dense (DGC's biases and norms; PowerSGD's vectors
            and matrices too small to compress)
   pq  PowerSGD's low-rank factors: the sum over compressed matrices of (rows + cols) x rank
+  z   1 for D-Lion with zero_sign="zero" (ternary messages), else 0
 They are nominal: packing pads each bit-plane to whole bytes (at most 7 bits per plane and step).
 The tests evaluate them against the bits of the messages actually built.
 """
