@@ -86,8 +86,11 @@ def netem_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[st
         for point in sweep_points(sweep):
             for seed in spec.get("seeds", [0]):
                 for rate, per_rate in rates.items():
-                    overrides = [*spec.get("base", []), *point, *per_rate, f"seed={seed}", f"cluster.link={rate}"]
-                    name = ",".join(sorted(overrides))
+                    varying = [*point, *per_rate, f"seed={seed}", f"cluster.link={rate}"]
+                    overrides = [*spec.get("base", []), *varying]
+                    # Named by what varies across the spec's runs (the base is in each run's config.yaml): a
+                    # name of every override outgrows a file name's 255 bytes.
+                    name = ",".join(sorted({o.partition("=")[0]: o for o in varying}.values()))
                     commands.append([
                         sys.executable, "-m", "distlion.netem", "--ranks", str(ranks), "--rate", rate, "--",
                         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
