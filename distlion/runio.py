@@ -32,6 +32,23 @@ _NOT_HASHED = ("logger", "experiment", "task.name", "task.target", "train.progre
                "train.checkpoint_every", "train.threads", "train.nonfinite")
 
 
+#: Longest run directory name kept as Hydra writes it: a file name holds 255 bytes, so every name a run could
+#: have been given stays as it was.
+DIRNAME_LIMIT = 255
+
+
+def run_dirname(name: str) -> str:
+    """A run directory's name: Hydra's override_dirname as it is, or, past `DIRNAME_LIMIT` characters, its start
+    and a hash of the whole (a spec with many settings, e.g. CIFAR-10's tuning trials, outgrows a file name)."""
+    if len(name) <= DIRNAME_LIMIT:
+        return name
+    return f"{name[:DIRNAME_LIMIT - 17]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+
+
+# conf/config.yaml names run directories `${distlion_dirname:${hydra.job.override_dirname}}`.
+OmegaConf.register_new_resolver("distlion_dirname", run_dirname, replace=True)
+
+
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)
 
