@@ -159,7 +159,7 @@ def test_a_finished_twin_under_the_same_runs_folder_is_copied_not_trained_again(
 def test_a_run_directory_name_longer_than_a_file_name_allows_is_shortened_with_a_hash():
     short = "method=dlion,seed=0"
     assert runio.run_dirname(short) == short  # every name Hydra wrote so far stays as it is
-    long = ",".join(f"setting{i}=value{i}" for i in range(20))  # 348 characters
+    long = ",".join(f"setting{i}=value{i}" for i in range(20))  # 339 characters
     name = runio.run_dirname(long)
     assert len(name) == runio.DIRNAME_LIMIT and name.startswith(long[:100]) and name == runio.run_dirname(long)
     assert runio.run_dirname(long + ",seed=1") != name
