@@ -173,20 +173,21 @@ def algorithm1_step(
         down += reply.bits
         return reply
 
+    def exchange_round(local: BufferWorkers, rules: list, how: str, worker_rule, server_rule, apply_rule) -> None:
+        """Worker rules, the exchange and the apply rules of one round (the pre-exchange's or the step's)."""
+        with timer.phase("encode"):
+            messages = [worker_rule(m)(*r) for m, *r in rules]
+        reply = exchange(how, server_rule, messages)
+        with timer.phase("apply"):
+            for method in local.appliers:
+                apply_rule(method)(reply, ctx)
+
     for dtype, local in buffers.items():
         server = local.methods[0]
         rules = list(zip(local.methods, grads[dtype], local.states, workers, strict=True))
         if server.pre_exchange is not None:
-            with timer.phase("encode"):
-                messages = [m.pre_worker_rule(*r) for m, *r in rules]
-            reply = exchange(server.pre_exchange, server.pre_server_rule, messages)
-            with timer.phase("apply"):
-                for method in local.appliers:
-                    method.pre_apply_rule(reply, ctx)
-        with timer.phase("encode"):
-            messages = [m.worker_rule(*r) for m, *r in rules]
-        reply = exchange(server.exchange, server.server_rule, messages)
-        with timer.phase("apply"):
-            for method in local.appliers:
-                method.apply_rule(reply, ctx)
+            exchange_round(local, rules, server.pre_exchange, lambda m: m.pre_worker_rule, server.pre_server_rule,
+                           lambda m: m.pre_apply_rule)
+        exchange_round(local, rules, server.exchange, lambda m: m.worker_rule, server.server_rule,
+                       lambda m: m.apply_rule)
     return StepBits(up, down, times=timer.times)
