@@ -50,7 +50,18 @@ DDP_RUNS = {
     "ddp": ["method=ddp", f"method.lr={ADAMW['lr']}", f"method.weight_decay={ADAMW['weight_decay']}",
             "method.bucket_cap_mb=0.05"],
     "ddp_bf16": ["method=ddp_bf16"],
-    "powersgd": ["method=powersgd", "method.rank=2", f"method.start_iter={POWERSGD_START}"],
+    "powersgd": ["method=powersgd", "method.rank=2", f"method.start_iter={POWERSGD_START}", "method.bucket_cap_mb=0.05"],
+}
+# D-Lion through DDP's comm hook, in buckets of ~100 floats (several per model, parity pads among them):
+# name -> (overrides, the simulated run it must equal bitwise). The settings are the simulated runs' tuned ones.
+def _tuned(name: str) -> list[str]:
+    method = yaml.safe_load((Path(CONF) / "tuned" / f"digits_{name}.yaml").read_text())["method"]
+    return [f"method.lr={method['lr']}", f"method.weight_decay={method['weight_decay']}"]
+
+
+HOOK_RUNS = {
+    "dlion_ddp": (["method=dlion_ddp", *_tuned("dlion"), "method.bucket_cap_mb=0.0004"], "dlion"),
+    "dlion_avg_ddp": (["method=dlion_avg_ddp", *_tuned("dlion_avg"), "method.bucket_cap_mb=0.0004"], "dlion_avg"),
 }
 # A NaN in worker 1's gradient at step 3, skipped on every worker (train.nonfinite=skip).
 POISONED = {"name": "dlion_skip", "overrides": [*COMMON, "method=dlion", "train.nonfinite=skip"],
@@ -186,16 +197,21 @@ def jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchdist")
     runs = [{"name": name, "overrides": [*COMMON, *overrides]} for name, (overrides, _, _) in METHODS.items()]
     runs += [{"name": name, "overrides": [*COMMON, *overrides]} for name, overrides in DDP_RUNS.items()]
+    runs += [{"name": name, "overrides": [*COMMON, *overrides]} for name, (overrides, _) in HOOK_RUNS.items()]
     runs.append(POISONED)
     def faulty(kind: str, step: int, *overrides: str) -> dict:
         return {"runs": [{"name": "run", "overrides": [*TWO_RANKS, *overrides]}],
                 "fault": {"rank": 1, "step": step, "kind": kind}}
 
     started = {
-        "main": Job("main", tmp, RANKS, {"runs": runs, "optimizer": True}),
+        "main": Job("main", tmp, RANKS, {"runs": runs, "optimizer": True, "hook": True}),
         "raise": Job("raise", tmp, 2, faulty("raise", 3)),
         "hang": Job("hang", tmp, 2, faulty("hang", 3, "cluster.timeout_s=10")),
         "restart": Job("restart", tmp, 2, faulty("kill", 12, "train.checkpoint_every=5"), max_restarts=1),
+        "restart_hook": Job("restart_hook", tmp, 2, {
+            "runs": [{"name": "run", "overrides": [*TWO_RANKS[:-1], *HOOK_RUNS["dlion_ddp"][0],
+                                                   "train.checkpoint_every=5"]}],
+            "fault": {"rank": 1, "step": 12, "kind": "kill"}}, max_restarts=1),
     }
     yield started
     for job in started.values():
@@ -613,10 +629,70 @@ def test_ddp_reports_the_communication_that_backward_hid(jobs):
     assert all(line["time_comm_hidden"] <= line["time_comm"] + 1e-9 for line in timed)
 
 
+# --------------------------------------------------------------------------------------------------
+# D-Lion as a DDP comm hook
+
+
+@pytest.mark.parametrize("name", list(HOOK_RUNS))
+def test_the_ddp_hook_ends_with_the_simulated_parameters_and_bits(jobs, simulated, name):
+    """Exchanged per DDP bucket during backward, bitwise the flat buffer's D-Lion; its bits are the simulated
+    ones plus the padding of each bucket's planes (whole bytes, and a parity pad before some parameters)."""
+    out = jobs["main"].ok()
+    reference = HOOK_RUNS[name][1]
+    expected_params, expected_steps = simulated[reference]
+    got = torch.load(out / f"{name}.params.pt")
+    for dtype, buffer in expected_params.items():
+        assert torch.equal(got[dtype], buffer), f"{name}: max |diff| {(got[dtype] - buffer).abs().max()}"
+    layers = len(json.loads((out / "layout.json").read_text()))
+    down_planes = 1 if reference == "dlion" else 3
+    for rank in range(RANKS):
+        steps = json.loads((out / f"{name}.rank{rank}.json").read_text())
+        assert len(steps) == STEPS
+        padded = 0
+        for got_step, want in zip(steps, expected_steps, strict=True):
+            for up, want_up in zip(got_step["up"], want["up"], strict=True):
+                assert 0 <= up - want_up <= 8 * layers
+            assert 0 <= got_step["down"] - want["down"] <= 8 * layers * down_planes
+            padded = max(padded, got_step["up"][0] - want["up"][0])
+        assert padded > 0  # several buckets, some padded: the test exercises the split
+
+
+@pytest.mark.parametrize("case", ["plain", "accumulate", "resume"])
+def test_the_ddp_hook_and_vote_step_equal_distributed_lion(jobs, case):
+    """The user's form (DDP + `DLionHook` + `VoteStep`) against `DistributedLion` on the same batches, 4 ranks:
+    with gradient accumulation under `no_sync`, and resumed mid-run from the hook's per-rank state_dict."""
+    out = jobs["main"].ok()
+    for rank in range(RANKS):
+        ours, reference = torch.load(out / f"hook_{case}.rank{rank}.pt")
+        assert all(torch.equal(p, q) for p, q in zip(ours, reference, strict=True)), (case, rank)
+        assert not all(torch.equal(p, q) for p, q in zip(ours, small_model().parameters(), strict=True))
+
+
+def test_a_killed_rank_of_a_ddp_hook_run_resumes_to_the_uninterrupted_parameters(jobs, tmp_path):
+    """The hook's momenta are in each rank's checkpoint: a restarted rank goes on as if never killed."""
+    from distlion.cluster.simulated import SimulatedCluster
+    from distlion.train import run
+
+    recorder = Recorder(SimulatedCluster)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(compose(*TWO_RANKS[:-1], "method=dlion", *_tuned("dlion")), tmp_path)
+        expected = recorder.params()
+    finally:
+        recorder.restore()
+        torch.set_num_threads(threads)
+    out = jobs["restart_hook"].ok()
+    output = (out / "torchrun.log").read_text()
+    assert "killing rank 1 at step 12" in output and output.count("resuming") == 2, output[-3000:]
+    got = torch.load(out / "run.params.pt")
+    assert all(torch.equal(got[d], expected[d]) for d in expected)
+
+
 def test_ddp_methods_are_refused_by_the_simulated_cluster(make_cfg):
     from distlion.config import ConfigError, validate
 
-    for name in DDP_RUNS:
+    for name in [*DDP_RUNS, *HOOK_RUNS]:
         with pytest.raises(ConfigError, match="runs only under cluster=torchdist .*torchrun --nproc-per-node"):
             validate(make_cfg(f"method={name}"))
 
@@ -676,6 +752,50 @@ def worker(spec_path: str) -> None:
             (out / f"optimizer_{aggregation}.rank{rank}.json").write_text(json.dumps(wire))
             if rank == 0:
                 torch.save([p.detach() for p in [*model.parameters(), unused]], out / f"optimizer_{aggregation}.pt")
+    if spec.get("hook"):
+        for case in ("plain", "accumulate", "resume"):
+            torch.save(hook_run(rank, case), out / f"hook_{case}.rank{rank}.pt")
+
+
+def hook_run(rank: int, case: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`OPT_STEPS` steps of DDP + `DLionHook` + `VoteStep` and of `DistributedLion` on the same batches;
+    "accumulate": two micro-batches per step (the first under `no_sync`); "resume": everything rebuilt from
+    state_dicts after step 4. Returns both final parameter lists."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distlion import DistributedLion
+    from distlion.methods.dlion_ddp import DLionHook, VoteStep, ddp_hook
+
+    def build():
+        model = small_model()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.0004)  # ~100 floats a bucket: several buckets
+        hook = DLionHook(ddp)
+        ddp.register_comm_hook(hook, ddp_hook)
+        return model, ddp, hook, VoteStep(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    model, ddp, hook, optimizer = build()
+    reference = small_model()
+    reference_optimizer = DistributedLion(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    micro = 2 if case == "accumulate" else 1
+    g = torch.Generator().manual_seed(rank)
+    for step in range(OPT_STEPS):
+        if case == "resume" and step == 4:
+            saved = model.state_dict(), hook.state_dict(), optimizer.state_dict()
+            model, ddp, hook, optimizer = build()
+            model.load_state_dict(saved[0])
+            hook.load_state_dict(saved[1])
+            optimizer.load_state_dict(saved[2])
+        batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(micro)]
+        for net, opt in ((ddp, optimizer), (reference, reference_optimizer)):
+            opt.zero_grad()
+            for i, (x, y) in enumerate(batches):
+                quiet = net.no_sync() if net is ddp and i < micro - 1 else contextlib.nullcontext()
+                with quiet:
+                    nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    return [p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()]
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from distlion.comm.collectives import Collectives, WireBytes
 from distlion.comm.exchange import CollectiveExchange
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
-from distlion.methods.ddp import DDPMethod
 
 
 def init_process_group(dist_backend: str, timeout_s: float, workers: int) -> bool:
@@ -117,7 +116,7 @@ class TorchDistCluster(Cluster):
     def gradients(self, model: torch.nn.Module, strategy: str) -> Callable[..., WorkerGrads]:
         """A method that exchanges in backward gets its gradient through DDP and its comm hook."""
         (method,) = self.methods.values() if len(self.methods) == 1 else (None,)
-        if isinstance(method, DDPMethod):
+        if method is not None and method.exchange == "in_backward":
             return DDPGradients(model, self.flat, method, self.seed)
         return super().gradients(model, strategy)
 

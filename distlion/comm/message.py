@@ -23,3 +23,7 @@ class Message:
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
+
+    def meta(self) -> Message:
+        """The same message as meta tensors: its size and dtypes (its bits) without its data."""
+        return Message({k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in self.tensors.items()})

@@ -116,8 +116,9 @@ class DDPMethod(MeanGradientMethod):
             return Lion(params, lr=self.lr, weight_decay=self.weight_decay, **betas)
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, **betas)
 
-    def comm_hook(self, seed: int) -> tuple[Any, Any]:
-        """(state, hook) for `DistributedDataParallel.register_comm_hook`."""
+    def comm_hook(self, seed: int, module: torch.nn.Module) -> tuple[Any, Any]:
+        """(state, hook) for `DistributedDataParallel.register_comm_hook` on `module`."""
+        del module  # torch's hooks need nothing of it
         if self.compression == "powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=self.rank, start_powerSGD_iter=self.start_iter,

@@ -108,27 +108,25 @@ class DLion(Method):
             return Message({"vote": pack_bits(total > 0), "nonzero": pack_bits(total != 0)})
         return Message({"sums": pack_uint(total + len(messages), uint_width(2 * len(messages)))})
 
-    def apply_rule(self, down: Message, ctx: StepContext) -> None:
-        n = self.params.numel()
-        self.params.mul_(1 - ctx.lr * self.weight_decay)
+    def delta(self, down: Message, ctx: StepContext) -> torch.Tensor:
+        """The downlink as Delta, the update direction every worker applies (in a scratch buffer)."""
+        n, num_workers = self.params.numel(), ctx.num_workers
         if self.zero_sign == "zero":
             if self.aggregation == "mavo":  # Delta in {-1, 0, +1}, as Lion's sign
                 vote = unpack_bits(down["vote"], n).to(self.params.dtype).mul_(2).sub_(1)
-                delta = vote.mul_(unpack_bits(down["nonzero"], n))
-            else:
-                delta = unpack_uint(down["sums"], n).sub_(ctx.num_workers).to(self.params.dtype).div_(ctx.num_workers)
-            self.params.add_(delta, alpha=-ctx.lr)
-            return
-        if self.aggregation == "mavo":
-            # -lr * Delta with Delta = +-1, in one pass over the unpacked bits.
-            plus, minus = (torch.tensor(v, dtype=self.params.dtype) for v in (-ctx.lr, ctx.lr))
-            self.params.add_(torch.where(unpack_bits(down["vote"], n), plus, minus, out=self._scratch))
-        else:
-            # sum_i delta_i = 2 * (#plus) - N, divided by N.
-            counts = unpack_uint(down["counts"], n).to(self.params.dtype)
-            delta = counts.mul_(2).sub_(ctx.num_workers).div_(ctx.num_workers)
-            self.params.add_(delta, alpha=-ctx.lr)
+                return vote.mul_(unpack_bits(down["nonzero"], n))
+            return unpack_uint(down["sums"], n).sub_(num_workers).to(self.params.dtype).div_(num_workers)
+        if self.aggregation == "mavo":  # +-1 in one pass over the unpacked bits
+            one, minus_one = (torch.tensor(v, dtype=self.params.dtype) for v in (1.0, -1.0))
+            return torch.where(unpack_bits(down["vote"], n), one, minus_one, out=self._scratch)
+        # sum_i delta_i = 2 * (#plus) - N, divided by N.
+        counts = unpack_uint(down["counts"], n).to(self.params.dtype)
+        return counts.mul_(2).sub_(num_workers).div_(num_workers)
 
+    def apply_rule(self, down: Message, ctx: StepContext) -> None:
+        # -lr * Delta is exact for Delta = +-1, so this rounds as one add of +-lr would.
+        self.params.mul_(1 - ctx.lr * self.weight_decay)
+        self.params.add_(self.delta(down, ctx), alpha=-ctx.lr)
 
 register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1 + z", "1 + z", order=13, fixed={"aggregation": "mavo"},
                     summary="`sign(sum_i sign(b1 m_i + (1-b1) g_i))`", reference="Liu et al. 2024, Algorithm 1"))
