@@ -1,12 +1,13 @@
-"""Step time on emulated links (issue 14): 4 torchrun ranks, each in its own network namespace on its own link
+"""Step time on emulated links (issue 14): 2 torchrun ranks (one per core: 4 on 2 cores time the contention for
+the cores, not the link), each in its own network namespace on its own link
 (distlion-netem) of 100 Mbit/s, 1 Gbit/s or uncapped, a 10.5M-parameter MLP, forward + backward + step.
 
 - D-Lion MaVo against G-AdamW as users run it (DDP, fp32 all-reduce overlapped with backward, then AdamW);
 - D-Lion capped against uncapped: how close to free its communication is;
 - the cost model (`distlion.costmodel`) calibrated on the uncapped runs, against the capped ones.
 
-Needs root (network namespaces); without it every row says why it was not measured. The ranks share the 2
-cores here, so compute is slow and a given link is, relative to it, a faster one on a GPU.
+Needs root (network namespaces); without it every row says why it was not measured. CPU compute is slow, so a
+given link is, relative to it, a faster one on a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-RANKS = 4
+RANKS = 2
 RATES = ("none", "1gbit", "100mbit")
 METHODS = ("dlion", "ddp")
 BATCH = 32  # rows per rank: little compute per step, so that the link matters as on a fast GPU

@@ -54,6 +54,12 @@ class DistributedLion(torch.optim.Optimizer):
 
     A copy (`copy.deepcopy`, pickle) keeps every setting and the state; it runs over the default
     process group.
+
+    `check_ranks`: at its first step, and at the first step after `load_state_dict`, the ranks compare a
+    checksum of their gradients (and of their loaded momenta) with one small all-gather, and a step
+    raises if every rank holds the same ones, since D-Lion needs each rank's own: equal gradients mean
+    DDP all-reduced them underneath (its fp32 traffic, while `wire` counts 1 bit), equal loaded momenta
+    mean one rank's state was loaded into all (the Hugging Face `Trainer` saves rank 0's `optimizer.pt`).
     """
 
     def __init__(
@@ -68,13 +74,14 @@ class DistributedLion(torch.optim.Optimizer):
         mavo_tie: str = "alternate",
         nonfinite: str = "error",
         master_weights: bool = False,
+        check_ranks: bool = True,
     ):
         DLion(lr, betas, weight_decay, aggregation, zero_sign, mavo_tie)  # validates the settings
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "aggregation": aggregation,
                     "zero_sign": zero_sign, "mavo_tie": mavo_tie, "nonfinite": nonfinite,
-                    "master_weights": master_weights}
+                    "master_weights": master_weights, "check_ranks": check_ranks}
         super().__init__(params, defaults)
         self.process_group = process_group
         self._init_runtime()
@@ -90,12 +97,54 @@ class DistributedLion(torch.optim.Optimizer):
         self._comm: Collectives | None = None
         self._momenta: dict[tuple[int, ...], torch.Tensor] = {}
         self.skipped_steps = 0
+        self._unchecked = {"gradients"} if self.check_ranks else set()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's __getstate__ keeps defaults, state and param_groups; the process group handle is not copied.
         super().__setstate__(state)
         self.process_group = None
         self._init_runtime()
+
+    @property
+    def check_ranks(self) -> bool:
+        return bool(self.defaults.get("check_ranks", True))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.check_ranks:
+            self._unchecked.add("momenta")
+
+    def _check_ranks_differ(self) -> None:
+        """Raise if every rank holds the same gradients (or loaded momenta): see `check_ranks`."""
+        checks, self._unchecked = self._unchecked, set()
+        if self.comm.world_size == 1:
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        momenta = [self.state[p]["exp_avg"] for p in params if "exp_avg" in self.state[p]]
+        device = params[0].device
+
+
+        def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:  # (sum, sum of |.|) in float64
+            total = torch.zeros(2, dtype=torch.float64, device=device)
+            for t in tensors:
+                total += torch.stack([t.double().sum(), t.double().abs().sum()])
+            return total
+
+        every = self.comm.all_gather(torch.cat([checksum(grads), checksum(momenta)]))
+        same = (every == every[0]).all(dim=0)
+        if "gradients" in checks and bool(same[:2].all()) and float(every[0, 1]) > 0:
+            raise RuntimeError(
+                "DistributedLion: every rank holds the same gradient, so something all-reduced them before the "
+                "step (a model wrapped in DistributedDataParallel): D-Lion needs each rank's own. Do not wrap the "
+                "model, or register DDP's no-op hook (model.register_comm_hook(None, noop_hook)), or use D-Lion's "
+                "DDP hook (distlion.methods.dlion_ddp); check_ranks=False if the ranks really see the same data")
+        if "momenta" in checks and bool(same[2:].all()) and float(every[0, 3]) > 0:
+            raise RuntimeError(
+                "DistributedLion: the state_dict loaded on every rank holds the same momenta (one rank's saved "
+                "state loaded into all: the Hugging Face Trainer's optimizer.pt is rank 0's); save and load each "
+                "rank's own state (distlion.hf.DistributedLionTrainer does), or pass check_ranks=False to resume "
+                "from shared momenta on purpose")
 
     @property
     def comm(self) -> Collectives:
@@ -114,6 +163,8 @@ class DistributedLion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._unchecked:
+            self._check_ranks_differ()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             if any(p.grad is not None and p.grad.is_sparse for p in params):

@@ -189,3 +189,28 @@ def test_ternary_server_rule_is_the_sum_of_the_workers_signs_including_zeros(agg
     expected = -(torch.sign(total) if aggregation == "mavo" else total / 4)
     assert torch.equal(params, expected)
     assert down.bits == (2 * 24 if aggregation == "mavo" else 4 * 24)  # ceil(log2(2 * 4 + 1)) = 4 planes
+
+
+def test_gradient_clipping_changes_the_signs_after_the_first_step():
+    """Clipping rescales g against the momentum in b1 m + (1 - b1) g: not a no-op on a sign method. At the
+    first step (m = 0) the signs are g's either way; afterwards the runs part (README: on clipping)."""
+    from distlion import DistributedLion
+
+    def run(clip: float | None, steps: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+        optimizer = DistributedLion(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if clip is not None:
+                norm = nn.utils.clip_grad_norm_(model.parameters(), clip)
+                assert norm > clip  # it did clip
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(p, q) for p, q in zip(run(None, 1), run(0.01, 1), strict=True))
+    free, clipped = torch.cat([p.reshape(-1) for p in run(None, 20)]), torch.cat([p.reshape(-1) for p in run(0.01, 20)])
+    assert (free != clipped).float().mean() > 0.05

@@ -50,7 +50,8 @@ DDP_RUNS = {
     "ddp": ["method=ddp", f"method.lr={ADAMW['lr']}", f"method.weight_decay={ADAMW['weight_decay']}",
             "method.bucket_cap_mb=0.05"],
     "ddp_bf16": ["method=ddp_bf16"],
-    "powersgd": ["method=powersgd", "method.rank=2", f"method.start_iter={POWERSGD_START}", "method.bucket_cap_mb=0.05"],
+    "powersgd": ["method=powersgd", "method.rank=2", f"method.start_iter={POWERSGD_START}",
+                 "method.bucket_cap_mb=0.05"],  # several buckets: their all-reduces must stay in order
 }
 # D-Lion through DDP's comm hook, in buckets of ~100 floats (several per model, parity pads among them):
 # name -> (overrides, the simulated run it must equal bitwise). The settings are the simulated runs' tuned ones.
