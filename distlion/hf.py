@@ -38,6 +38,7 @@ class DistributedLionTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
+        os.makedirs(output_dir, exist_ok=True)  # rank 0 makes it when it saves the model, maybe after this rank
         torch.save(self.optimizer.state_dict(), self._rank_file(output_dir))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -48,4 +49,5 @@ class DistributedLionTrainer(Trainer):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: this checkpoint holds no optimizer state of rank "
                                     f"{self.args.process_index}; resume from one that DistributedLionTrainer saved")
-        self.optimizer.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+        # (load_state_dict moves each state tensor to its parameter's device)
+        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -124,7 +124,6 @@ class DistributedLion(torch.optim.Optimizer):
         momenta = [self.state[p]["exp_avg"] for p in params if "exp_avg" in self.state[p]]
         device = params[0].device
 
-
         def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:  # (sum, sum of |.|) in float64
             total = torch.zeros(2, dtype=torch.float64, device=device)
             for t in tensors:

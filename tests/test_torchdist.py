@@ -393,7 +393,9 @@ def test_distributed_lion_on_4_ranks_equals_the_simulated_cluster(jobs, aggregat
 
     expected = sum((RANKS - 1) * shard_bytes((n + 7) // 8, RANKS) * planes for n in sizes)
     expected += sum(2 * (RANKS - 1) * len(group["params"]) // RANKS for group in groups)
-    assert all(w["sent"] == w["received"] == expected for w in wire)
+    # The first step also checks that the ranks' gradients differ: an all-gather of 4 float64 checksums.
+    check = (RANKS - 1) * 4 * 8
+    assert [(w["sent"], w["received"]) for w in wire] == [(expected + check,) * 2] + [(expected,) * 2] * (OPT_STEPS - 1)
 
 
 def test_distributed_lion_parameters_without_gradients_on_4_ranks(jobs):
@@ -636,26 +638,21 @@ def test_ddp_reports_the_communication_that_backward_hid(jobs):
 
 @pytest.mark.parametrize("name", list(HOOK_RUNS))
 def test_the_ddp_hook_ends_with_the_simulated_parameters_and_bits(jobs, simulated, name):
-    """Exchanged per DDP bucket during backward, bitwise the flat buffer's D-Lion; its bits are the simulated
-    ones plus the padding of each bucket's planes (whole bytes, and a parity pad before some parameters)."""
+    """Exchanged per DDP bucket during backward, bitwise the flat buffer's D-Lion. Its bits are the simulated
+    ones plus each bucket's padding (whole bytes per plane, a parity pad before a bucket at an odd offset):
+    none here, as every parameter of this model but the last holds a multiple of 8 (`hook_run`'s odd shapes
+    exercise the pads)."""
     out = jobs["main"].ok()
     reference = HOOK_RUNS[name][1]
     expected_params, expected_steps = simulated[reference]
     got = torch.load(out / f"{name}.params.pt")
     for dtype, buffer in expected_params.items():
         assert torch.equal(got[dtype], buffer), f"{name}: max |diff| {(got[dtype] - buffer).abs().max()}"
-    layers = len(json.loads((out / "layout.json").read_text()))
-    down_planes = 1 if reference == "dlion" else 3
+    sizes = json.loads((out / "layout.json").read_text())
+    assert all(n % 8 == 0 for n in sizes[:-1]) and len(sizes) > 1
     for rank in range(RANKS):
         steps = json.loads((out / f"{name}.rank{rank}.json").read_text())
-        assert len(steps) == STEPS
-        padded = 0
-        for got_step, want in zip(steps, expected_steps, strict=True):
-            for up, want_up in zip(got_step["up"], want["up"], strict=True):
-                assert 0 <= up - want_up <= 8 * layers
-            assert 0 <= got_step["down"] - want["down"] <= 8 * layers * down_planes
-            padded = max(padded, got_step["up"][0] - want["up"][0])
-        assert padded > 0  # several buckets, some padded: the test exercises the split
+        assert [(s["up"], s["down"]) for s in steps] == [(s["up"], s["down"]) for s in expected_steps]
 
 
 @pytest.mark.parametrize("case", ["plain", "accumulate", "resume"])
