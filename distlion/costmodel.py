@@ -125,13 +125,21 @@ def calibrate_times(method: str, times: dict[str, Any], workers: int) -> Calibra
                        overlaps=exchange == "in_backward")
 
 
+def steady_lines(summary: dict[str, Any], lines: list[dict[str, Any]], skip: int = 2) -> list[dict[str, Any]]:
+    """A run's timed metrics lines in its steady state: from its method's `start_iter` on (PowerSGD all-reduces
+    fp32 gradients before it; 10 of a 30-step run would be a third of its mean), then the first `skip` left out
+    (start-up, DDP's bucket rebuild)."""
+    start = int(summary.get("method.start_iter") or 0)
+    timed = [line for line in lines if "time_step" in line and line["step"] >= start]
+    return timed[skip:] if len(timed) > skip else timed
+
+
 def calibrate(run_dir: Path, skip: int = 2) -> Calibration:
-    """A method's calibration from a finished run: its phase times averaged over the logged steps after the
-    first `skip` metrics lines (start-up, DDP's bucket rebuild), its bits per step as measured."""
+    """A method's calibration from a finished run: its phase times averaged over its steady state's logged
+    steps (`steady_lines`), its bits per step as measured."""
     summary = json.loads((run_dir / "summary.json").read_text())
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [line for line in lines if "time_step" in line]
-    timed = timed[skip:] if len(timed) > skip else timed
+    timed = steady_lines(summary, lines, skip)
     if not timed:
         raise ValueError(f"{run_dir}: no step times in metrics.jsonl (a run from before time_* was logged)")
     params = summary["num_params"]

@@ -96,6 +96,7 @@ class DistributedLion(torch.optim.Optimizer):
         """What is rebuilt rather than copied: the collectives and the flat momentum buffers."""
         self._comm: Collectives | None = None
         self._momenta: dict[tuple[int, ...], torch.Tensor] = {}
+        self._flats: dict[tuple[int, torch.device, torch.dtype], _FlatBucket] = {}
         self.skipped_steps = 0
         self._unchecked = {"gradients"} if self.check_ranks else set()
 
@@ -164,24 +165,59 @@ class DistributedLion(torch.optim.Optimizer):
                 loss = closure()
         if self._unchecked:
             self._check_ranks_differ()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             if any(p.grad is not None and p.grad.is_sparse for p in params):
                 raise RuntimeError("DistributedLion does not support sparse gradients")
-            buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for p, used in zip(params, self._used_on_any_rank(params), strict=True):
-                if used:
-                    buckets.setdefault((p.device, self._working_dtype(group, p)), []).append(p)
-            for params in buckets.values():
-                self._step_bucket(group, params)
+            every: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            used: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p, has_grad in zip(params, self._used_on_any_rank(params), strict=True):
+                key = (p.device, self._working_dtype(group, p))
+                every.setdefault(key, []).append(p)
+                if has_grad:
+                    used.setdefault(key, []).append(p)
+            for key, bucket in used.items():
+                if len(bucket) == len(every[key]) and all(p.dtype == key[1] for p in bucket):
+                    self._step_flat(index, group, bucket)  # the common case: no copies
+                else:
+                    self._step_bucket(group, bucket)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the gradients that live in a flat buffer in place, so they stay its views (one memset per
+        buffer, and the next backward accumulates into it), and marks them as None would: one that no backward
+        reaches before the step is no gradient. Any other gradient as torch does."""
+        in_place = set()
+        for flat in self._flats.values():
+            if flat.grads_linked():
+                flat.grad.zero_()
+                flat.zeroed.update(flat.ids)
+                in_place.update(flat.ids)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or id(p) in in_place:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False).zero_()
 
     def _used_on_any_rank(self, params: list[torch.Tensor]) -> list[bool]:
         """Whether each parameter has a gradient on at least one rank (a MAX all-reduce of flags)."""
         if not params:
             return []
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+        flags = torch.tensor([self._has_grad(p) for p in params], dtype=torch.uint8, device=params[0].device)
         return [bool(f) for f in self.comm.all_reduce(flags, op="max").tolist()]
+
+    def _has_grad(self, p: torch.Tensor) -> bool:
+        """Whether `p` has a gradient this step: None has none, and neither has a flat buffer's view that
+        `zero_grad` zeroed and no backward reached since (what set_to_none would have made None)."""
+        if p.grad is None:
+            return False
+        for flat in self._flats.values():
+            if id(p) in flat.slots:
+                return not (id(p) in flat.zeroed and flat.is_view(p))
+        return True
 
     @staticmethod
     def _working_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype:
@@ -220,6 +256,29 @@ class DistributedLion(torch.optim.Optimizer):
             state["master"] = p.detach().to(torch.float32)
         return state["master"]
 
+    def _step_flat(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """A step on persistent flat buffers: the parameters and gradients are their views, nothing is copied."""
+        key = (index, params[0].device, params[0].dtype)
+        flat = self._flats.get(key)
+        if flat is None or flat.ids != [id(p) for p in params]:
+            place = {id(q): i for i, q in enumerate(group["params"])}
+            flat = self._flats[key] = _FlatBucket(params, [f"parameter {place[id(p)]} of its param group"
+                                                           for p in params])
+        flat.link()
+        comm = self.comm
+        momentum = self._flat_momentum(params, flat.x.dtype)
+        step = int(self.state[params[0]].get("step", 0))
+        rule = flat.rule(group, comm.world_size)
+        ctx = StepContext(step=step, lr=float(group["lr"]), num_workers=comm.world_size)
+        local = BufferWorkers([rule], [{"momentum": momentum}])
+        bits = algorithm1_step({flat.x.dtype: local}, {flat.x.dtype: flat.grad[None]}, ctx, CollectiveExchange(comm),
+                               group["nonfinite"])
+        if bits.skipped:
+            self.skipped_steps += 1
+            return
+        for p in params:
+            self.state[p]["step"] = step + 1
+
     def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         comm = self.comm
         weights = [self._weights(group, p) for p in params]
@@ -243,7 +302,69 @@ class DistributedLion(torch.optim.Optimizer):
             self.skipped_steps += 1
             return
         for p, new in zip(params, x.split([p.numel() for p in params]), strict=True):
-            if "master" in self.state[p]:
+            if "master" in self.state[p]:  # (a flat buffer's parameter is updated in place, as its view)
                 self.state[p]["master"].copy_(new.view_as(p))
             p.copy_(new.view_as(p))  # rounds to a low-precision parameter's dtype
             self.state[p]["step"] = step + 1
+
+
+class _FlatBucket:
+    """One param group's parameters of one device and dtype, re-homed into a flat buffer `x` whose slices they
+    are, with their gradients as slices of `grad`: a step reads and writes the buffers, with no copies.
+
+    Every parameter of the bucket has a gradient on some rank at such a step (else the step copies, as
+    `_step_bucket` does). `zeroed` holds the parameters whose gradient `zero_grad` zeroed in place and no
+    backward has accumulated into since (a post-accumulate-grad hook takes them out): they have none.
+    """
+
+    def __init__(self, params: list[torch.Tensor], names: list[str]):
+        self.params = params
+        self.ids = [id(p) for p in params]
+        self.slots: dict[int, tuple[int, int]] = {}
+        self.layout: list[Segment] = []
+        offset = 0
+        for p, name in zip(params, names, strict=True):
+            self.slots[id(p)] = (offset, p.numel())
+            self.layout.append(Segment(name, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        device, dtype = params[0].device, params[0].dtype
+        self.x = torch.empty(offset, dtype=dtype, device=device)
+        self.grad = torch.zeros(offset, dtype=dtype, device=device)
+        self.zeroed: set[int] = set()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._reached) for p in params]
+        self._rule: DLion | None = None
+        self._settings: tuple | None = None
+
+    def _reached(self, p: torch.Tensor) -> None:
+        self.zeroed.discard(id(p))
+
+    def is_view(self, p: torch.Tensor) -> bool:
+        start, _ = self.slots[id(p)]
+        return p.grad is not None and p.grad.data_ptr() == self.grad[start:].data_ptr() and p.grad.is_contiguous()
+
+    def grads_linked(self) -> bool:
+        return all(self.is_view(p) for p in self.params)
+
+    def link(self) -> None:
+        """Make every parameter a view of `x` and every gradient a view of `grad` (copying what is elsewhere)."""
+        for p in self.params:
+            start, numel = self.slots[id(p)]
+            if p.data_ptr() != self.x[start:].data_ptr() or not p.is_contiguous():
+                self.x[start : start + numel].copy_(p.detach().reshape(-1))
+                p.data = self.x[start : start + numel].view_as(p)
+            if not self.is_view(p):
+                view = self.grad[start : start + numel]
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.reshape(-1))
+                p.grad = view.view_as(p)
+
+    def rule(self, group: dict[str, Any], world_size: int) -> DLion:
+        """The D-Lion rule bound to `x`, rebuilt only when a setting changed (lr comes with each step)."""
+        settings = (tuple(group["betas"]), group["weight_decay"], group["aggregation"], group["zero_sign"],
+                    group["mavo_tie"], world_size)
+        if settings != self._settings:
+            self._rule = DLion(float(group["lr"]), *settings[:-1]).bind(self.x, world_size, self.layout)
+            self._settings = settings
+        return self._rule

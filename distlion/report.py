@@ -34,6 +34,7 @@ import matplotlib
 from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
+from distlion.costmodel import steady_lines
 from distlion.methods import label_order, method_label
 from distlion.tasks import TASK_CONFIGS, Metric, task_metrics, task_name
 from distlion.tasks.base import quantity
@@ -218,9 +219,8 @@ PHASE_COLUMNS = {"time_compute": "compute", "time_encode": "encode", "time_comm"
 
 
 def step_times(run: Run, skip: int = 2) -> dict[str, float]:
-    """A run's mean seconds per step of each phase over its logged lines, the first `skip` (start-up) left out."""
-    lines = [p for p in run["curve"] if "time_step" in p]
-    lines = lines[skip:] if len(lines) > skip else lines
+    """A run's mean seconds per step of each phase over its steady state's logged lines (`steady_lines`)."""
+    lines = steady_lines(run, run["curve"], skip)
     return {k: statistics.fmean(p.get(k, 0.0) for p in lines) for k in PHASE_COLUMNS} if lines else {}
 
 

@@ -65,6 +65,9 @@ def test_scale_predictions_follow_the_model_by_hand():
     # hidden behind 2/3 s of backward but for the last bucket's half.
     comm = 24e-3 + 12 * 10e-6
     assert scale_step("ddp_bf16", load, 4, 8) == pytest.approx(1.0 + 6 * 8e6 / 1.5e12 + comm / 2)
+    # D-Lion's DDP-hook form: the same 1.5 MB per rank in 2 buckets (12 rounds), hidden but for the last bucket's.
+    comm = 1.5e-3 + 12 * 10e-6
+    assert scale_step("dlion_ddp", load, 4, 8) == pytest.approx(1.0 + 25 * 8e6 / 1.5e12 + comm / 2)
 
 
 def write_timed_run(root, method: str, link: str, step_s: float, steps: int, accuracies: list[float]) -> None:
@@ -109,3 +112,24 @@ def test_time_to_target_is_the_steps_of_the_longest_run_times_each_links_step_ti
     markdown = write(tmp_path, tmp_path / "out", metric_value=0.8)
     assert "| D-Lion (MaVo) | 12 | 24 | 6 |" in markdown
     assert (tmp_path / "out" / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_warm_up_before_start_iter_is_left_out_of_the_step_time_and_the_calibration(tmp_path):
+    """PowerSGD all-reduces fp32 for its first `start_iter` steps: a 30-step run's mean would be a third warm-up."""
+    import json
+
+    from distlion.costmodel import calibrate
+    from distlion.report import load_runs, step_times
+
+    write_timed_run(tmp_path, "ddp", "100mbit", 0.5, 30, [0.5] * 7)
+    run_dir = tmp_path / "ddp-100mbit"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "method.start_iter": 10}))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines[:9]:  # steps 1-9: 4 s each and 32 bits, as PowerSGD's fp32 warm-up
+        line.update(time_step=4.0, time_comm=3.75, bits_up_per_param=32.0, bits_down_per_param=32.0)
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    (run,) = load_runs(tmp_path)
+    assert step_times(run)["time_step"] == 0.5  # steps 12-30: from start_iter on, then 2 start-up lines out
+    calibration = calibrate(run_dir)
+    assert calibration.comm == 0.25 and calibration.transfers[0].payload == 100  # 1 bit x 800 params, in bytes

@@ -214,3 +214,60 @@ def test_gradient_clipping_changes_the_signs_after_the_first_step():
     assert all(torch.equal(p, q) for p, q in zip(run(None, 1), run(0.01, 1), strict=True))
     free, clipped = torch.cat([p.reshape(-1) for p in run(None, 20)]), torch.cat([p.reshape(-1) for p in run(0.01, 20)])
     assert (free != clipped).float().mean() > 0.05
+
+
+def test_distributed_lion_steps_persistent_flat_buffers_without_per_step_copies():
+    """From the second step on, the parameters and their gradients are views of one flat buffer per param group,
+    which the step updates in place: their storage never moves, and backward accumulates straight into it."""
+    from distlion import DistributedLion
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+    optimizer = DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1)
+    lion = Lion(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    places = []
+    for _ in range(5):
+        x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+        for net, opt in ((model, optimizer), (reference, lion)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        places.append([(p.data_ptr(), p.grad.data_ptr()) for p in model.parameters()])
+    assert places[1:] == [places[1]] * 4  # the same storage at every step after the first
+    starts = [p for p, _ in places[1]]
+    sizes = [4 * p.numel() for p in model.parameters()]
+    assert starts == [starts[0] + sum(sizes[:i]) for i in range(len(sizes))]  # one buffer, back to back
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0)  # (timm's sign(0) = 0 aside: no exact zeros here)
+
+
+def test_zero_grad_then_no_backward_is_no_gradient_and_an_assigned_one_persists():
+    """zero_grad keeps the flat buffer's views but marks them as set_to_none would: a parameter no backward
+    reached is left alone (no decay, no momentum decay), as timm's Lion leaves a None gradient; a gradient the
+    user assigned and never cleared steps again at every call, as in torch."""
+    from distlion import DistributedLion
+
+    def pair():
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        return a, b, [*a.parameters(), *b.parameters()]
+
+    a, b, ours_params = pair()
+    c, d, theirs_params = pair()
+    ours, theirs = DistributedLion(ours_params, lr=1e-2, weight_decay=0.1), Lion(theirs_params, lr=1e-2,
+                                                                                 weight_decay=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    for step in range(4):
+        for first, second, opt in ((a, b, ours), (c, d, theirs)):
+            opt.zero_grad()
+            out = first(x) if step % 2 else second(first(x))  # odd steps: `second` gets no gradient
+            out.square().mean().backward()
+            opt.step()
+        for p, q in zip(ours_params, theirs_params, strict=True):
+            assert torch.allclose(p, q, atol=1e-6, rtol=0), step
+    before = [p.detach().clone() for p in ours_params]
+    ours.step()  # the last backward's gradients are still there: they step again
+    ours.step()
+    assert all(not torch.equal(p, q) for p, q in zip(ours_params[:2], before[:2], strict=True))

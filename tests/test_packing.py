@@ -15,6 +15,7 @@ from distlion.comm.packing import (
     packed_size,
     uint_width,
     unpack_bits,
+    unpack_signs,
     unpack_uint,
 )
 
@@ -46,6 +47,19 @@ def test_pack_matches_reference_and_round_trips(numel, lead):
     assert torch.equal(packed, naive_pack(bits))
     unpacked = unpack_bits(packed, numel)
     assert unpacked.dtype == torch.bool and torch.equal(unpacked, bits)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 1001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_unpack_signs_is_plus_one_where_a_bit_is_set_and_minus_one_elsewhere(numel, dtype):
+    bits = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
+    packed = pack_bits(bits)
+    out = torch.full((8 * packed.numel(),), 7.0, dtype=dtype)
+    signs = unpack_signs(packed, numel, out=out)
+    assert signs.dtype == dtype and signs.data_ptr() == out.data_ptr()  # written in place, no copy
+    assert signs.tolist() == [1.0 if b else -1.0 for b in bits.tolist()]
+    with pytest.raises(ValueError, match="8 x"):
+        unpack_signs(packed, numel, out=torch.empty(8 * packed.numel() + 1, dtype=dtype))
 
 
 @pytest.mark.parametrize("numel", [1, 7, 9, 1001])

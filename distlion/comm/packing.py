@@ -7,6 +7,8 @@ padding per plane, and the bit-sliced vote in `voting.py` works on the planes di
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # A word of 8 bool bytes (element j in byte j) times this constant puts element j at bit 56 + j; the
@@ -53,6 +55,23 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     index = packed.reshape(-1).to(torch.int32)
     words = torch.index_select(_SPREAD.to(packed.device), 0, index)
     return words.view(torch.bool).view(*packed.shape[:-1], 8 * packed.shape[-1])[..., :numel]
+
+
+@functools.cache
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row b: byte b's 8 bits as +1 (bit set) or -1, in `dtype`."""
+    return ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(dtype).mul_(2).sub_(1).to(device)
+
+
+def unpack_signs(packed: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
+    """`pack_bits`' inverse as signs: bit 1 -> +1, bit 0 -> -1, in `out`'s dtype, through one gather of 8
+    values per byte from a 256-row table (no bool tensor in between). `out` holds 8 x packed.numel() elements
+    (the padding bits land past `numel`); returns its first `numel`."""
+    if out.numel() != 8 * packed.numel():
+        raise ValueError(f"out holds {out.numel()} elements, not 8 x {packed.numel()} packed bytes")
+    table = _sign_table(out.dtype, out.device)
+    torch.index_select(table, 0, packed.reshape(-1).to(torch.int32), out=out.view(-1, 8))
+    return out[:numel]
 
 
 def uint_width(max_value: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from distlion.comm.message import Message
-from distlion.comm.packing import pack_bits, pack_uint, uint_width, unpack_bits, unpack_uint
+from distlion.comm.packing import pack_bits, pack_uint, packed_size, uint_width, unpack_bits, unpack_signs, unpack_uint
 from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits
 from distlion.methods.base import Method, StepContext, check_betas, check_choice
 from distlion.methods.registry import MethodInfo, register
@@ -64,7 +64,9 @@ class DLion(Method):
 
     def bind(self, params: torch.Tensor, num_workers: int, layout=None) -> Method:
         super().bind(params, num_workers, layout)
-        self._scratch = torch.empty_like(params)
+        # One scratch of whole bytes' worth of elements: the vote unpacks into it with its padding bits.
+        self._spread = params.new_empty(8 * packed_size(params.numel()))
+        self._scratch = self._spread[: params.numel()]
         self._mask = torch.empty_like(params, dtype=torch.bool)
         return self
 
@@ -81,8 +83,8 @@ class DLion(Method):
             nonzero = pack_bits(torch.ne(update, 0, out=self._mask))
             momentum.lerp_(grad, 1 - beta2)
             return Message({"signs": signs, "nonzero": nonzero})
-        zeros = torch.eq(update, 0, out=self._mask)
-        if zeros.any():  # rare: only then pay for packing the ties
+        if int(torch.count_nonzero(update)) < update.numel():  # rare: only then pay for the ties (one read)
+            zeros = torch.eq(update, 0, out=self._mask)
             tie = tie_bits(self.zero_sign, signs.numel(), ctx.step, signs.device)
             if tie is not None:
                 signs |= pack_bits(zeros) & tie
@@ -116,9 +118,8 @@ class DLion(Method):
                 vote = unpack_bits(down["vote"], n).to(self.params.dtype).mul_(2).sub_(1)
                 return vote.mul_(unpack_bits(down["nonzero"], n))
             return unpack_uint(down["sums"], n).sub_(num_workers).to(self.params.dtype).div_(num_workers)
-        if self.aggregation == "mavo":  # +-1 in one pass over the unpacked bits
-            one, minus_one = (torch.tensor(v, dtype=self.params.dtype) for v in (1.0, -1.0))
-            return torch.where(unpack_bits(down["vote"], n), one, minus_one, out=self._scratch)
+        if self.aggregation == "mavo":  # +-1 straight from the packed bytes, one gather
+            return unpack_signs(down["vote"], n, out=self._spread)
         # sum_i delta_i = 2 * (#plus) - N, divided by N.
         counts = unpack_uint(down["counts"], n).to(self.params.dtype)
         return counts.mul_(2).sub_(num_workers).div_(num_workers)
