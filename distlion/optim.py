@@ -95,8 +95,9 @@ class DistributedLion(torch.optim.Optimizer):
     def _init_runtime(self) -> None:
         """What is rebuilt rather than copied: the collectives and the flat momentum buffers."""
         self._comm: Collectives | None = None
-        self._momenta: dict[tuple[int, ...], torch.Tensor] = {}
+        self._momenta: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._flats: dict[tuple[int, torch.device, torch.dtype], _FlatBucket] = {}
+        self._flat_of: dict[int, _FlatBucket] = {}  # id(parameter) -> the flat buffer it lives in
         self.skipped_steps = 0
         self._unchecked = {"gradients"} if self.check_ranks else set()
 
@@ -204,6 +205,8 @@ class DistributedLion(torch.optim.Optimizer):
 
     def _used_on_any_rank(self, params: list[torch.Tensor]) -> list[bool]:
         """Whether each parameter has a gradient on at least one rank (a MAX all-reduce of flags)."""
+        if self.comm.world_size == 1:
+            return [self._has_grad(p) for p in params]
         if not params:
             return []
         flags = torch.tensor([self._has_grad(p) for p in params], dtype=torch.uint8, device=params[0].device)
@@ -214,10 +217,8 @@ class DistributedLion(torch.optim.Optimizer):
         `zero_grad` zeroed and no backward reached since (what set_to_none would have made None)."""
         if p.grad is None:
             return False
-        for flat in self._flats.values():
-            if id(p) in flat.slots:
-                return not (id(p) in flat.zeroed and flat.is_view(p))
-        return True
+        flat = self._flat_of.get(id(p))
+        return flat is None or not (id(p) in flat.zeroed and flat.is_view(p))
 
     @staticmethod
     def _working_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype:
@@ -229,22 +230,19 @@ class DistributedLion(torch.optim.Optimizer):
         Rebuilt (copying any existing momenta) at the first step and after `load_state_dict`.
         """
         key = tuple(id(p) for p in params)
-        flat = self._momenta.get(key)
+        linked = self._momenta.get(key)
+        if linked is not None and all(self.state[p].get("exp_avg") is m for p, m in zip(params, linked[1])):
+            return linked[0]
         offsets = [0]
         for p in params:
             offsets.append(offsets[-1] + p.numel())
-        linked = flat is not None and all(
-            "exp_avg" in self.state[p] and self.state[p]["exp_avg"].data_ptr() == flat[start:].data_ptr()
-            for p, start in zip(params, offsets, strict=False)
-        )
-        if not linked:
-            flat = torch.zeros(offsets[-1], dtype=dtype, device=params[0].device)
-            for p, start, stop in zip(params, offsets, offsets[1:], strict=False):
-                old = self.state[p].get("exp_avg")
-                if old is not None:
-                    flat[start:stop].copy_(old.reshape(-1))
-                self.state[p]["exp_avg"] = flat[start:stop].view_as(p)
-            self._momenta[key] = flat
+        flat = torch.zeros(offsets[-1], dtype=dtype, device=params[0].device)
+        for p, start, stop in zip(params, offsets, offsets[1:], strict=False):
+            old = self.state[p].get("exp_avg")
+            if old is not None:
+                flat[start:stop].copy_(old.reshape(-1))
+            self.state[p]["exp_avg"] = flat[start:stop].view_as(p)
+        self._momenta[key] = (flat, [self.state[p]["exp_avg"] for p in params])
         return flat
 
     def _weights(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
@@ -264,6 +262,7 @@ class DistributedLion(torch.optim.Optimizer):
             place = {id(q): i for i, q in enumerate(group["params"])}
             flat = self._flats[key] = _FlatBucket(params, [f"parameter {place[id(p)]} of its param group"
                                                            for p in params])
+            self._flat_of.update(dict.fromkeys(flat.ids, flat))
         flat.link()
         comm = self.comm
         momentum = self._flat_momentum(params, flat.x.dtype)
@@ -332,6 +331,11 @@ class _FlatBucket:
         self.grad = torch.zeros(offset, dtype=dtype, device=device)
         self.zeroed: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._reached) for p in params]
+        # What link() made: each gradient's view (the same Python object while it stays p.grad) and each
+        # parameter's address, so that a step checks them by identity, not by slicing the buffers.
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._grad_views: list[torch.Tensor | None] = [None] * len(params)
+        self._addresses: list[int] = []
         self._rule: DLion | None = None
         self._settings: tuple | None = None
 
@@ -339,15 +343,16 @@ class _FlatBucket:
         self.zeroed.discard(id(p))
 
     def is_view(self, p: torch.Tensor) -> bool:
-        start, _ = self.slots[id(p)]
-        return p.grad is not None and p.grad.data_ptr() == self.grad[start:].data_ptr() and p.grad.is_contiguous()
+        return p.grad is not None and p.grad is self._grad_views[self._index[id(p)]]
 
     def grads_linked(self) -> bool:
-        return all(self.is_view(p) for p in self.params)
+        return all(p.grad is not None and p.grad is v for p, v in zip(self.params, self._grad_views, strict=True))
 
     def link(self) -> None:
         """Make every parameter a view of `x` and every gradient a view of `grad` (copying what is elsewhere)."""
-        for p in self.params:
+        if self.grads_linked() and [p.data_ptr() for p in self.params] == self._addresses:
+            return
+        for i, p in enumerate(self.params):
             start, numel = self.slots[id(p)]
             if p.data_ptr() != self.x[start:].data_ptr() or not p.is_contiguous():
                 self.x[start : start + numel].copy_(p.detach().reshape(-1))
@@ -359,6 +364,8 @@ class _FlatBucket:
                 else:
                     view.copy_(p.grad.reshape(-1))
                 p.grad = view.view_as(p)
+                self._grad_views[i] = p.grad
+        self._addresses = [p.data_ptr() for p in self.params]
 
     def rule(self, group: dict[str, Any], world_size: int) -> DLion:
         """The D-Lion rule bound to `x`, rebuilt only when a setting changed (lr comes with each step)."""

@@ -62,6 +62,15 @@ def test_unpack_signs_is_plus_one_where_a_bit_is_set_and_minus_one_elsewhere(num
         unpack_signs(packed, numel, out=torch.empty(8 * packed.numel() + 1, dtype=dtype))
 
 
+@pytest.mark.parametrize("numel", [1, 9, 64, 1000])
+def test_pack_bits_overwriting_its_scratch_mask_packs_the_same(numel):
+    bits = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
+    scratch = bits.clone()
+    assert torch.equal(pack_bits(scratch, overwrite=True), naive_pack(bits))
+    aligned = numel % 8 == 0  # its words are a view: the mask is used as scratch, else a copy is
+    assert torch.equal(scratch, bits) != aligned
+
+
 @pytest.mark.parametrize("numel", [1, 7, 9, 1001])
 def test_padding_bits_are_zero(numel):
     packed = pack_bits(torch.ones(numel, dtype=torch.bool))

@@ -41,11 +41,19 @@ def as_words(data: torch.Tensor) -> torch.Tensor:
     return data.view(torch.int64)
 
 
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Pack a bool tensor [..., n] into uint8 [..., ceil(n/8)]; padding bits are 0."""
+def pack_bits(bits: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """Pack a bool tensor [..., n] into uint8 [..., ceil(n/8)]; padding bits are 0.
+
+    `overwrite=True`: `bits` is a scratch mask this call may use as its working words (garbage afterwards), so
+    nothing is allocated but the packed result (a copy is made as before where its words are not a view).
+    """
     if bits.dtype != torch.bool:
         bits = bits != 0
-    words = as_words(bits) * _GATHER
+    words = as_words(bits)
+    if overwrite and words.data_ptr() == bits.data_ptr():
+        words.mul_(_GATHER)
+    else:
+        words = words * _GATHER
     words >>= 56
     return words.to(torch.uint8)
 

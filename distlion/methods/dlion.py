@@ -78,16 +78,16 @@ class DLion(Method):
         momentum = state["momentum"]
         # Scratch buffers reused across workers and steps: fresh 4n-byte allocations page-fault.
         update = torch.mul(momentum, beta1, out=self._scratch).add_(grad, alpha=1 - beta1)
-        signs = pack_bits(torch.gt(update, 0, out=self._mask))
+        signs = pack_bits(torch.gt(update, 0, out=self._mask), overwrite=True)
         if self.zero_sign == "zero":
-            nonzero = pack_bits(torch.ne(update, 0, out=self._mask))
+            nonzero = pack_bits(torch.ne(update, 0, out=self._mask), overwrite=True)
             momentum.lerp_(grad, 1 - beta2)
             return Message({"signs": signs, "nonzero": nonzero})
-        if int(torch.count_nonzero(update)) < update.numel():  # rare: only then pay for the ties (one read)
+        if int(torch.count_nonzero(update)) < update.numel():  # a 0 (a row no token reached): pack the ties
             zeros = torch.eq(update, 0, out=self._mask)
             tie = tie_bits(self.zero_sign, signs.numel(), ctx.step, signs.device)
             if tie is not None:
-                signs |= pack_bits(zeros) & tie
+                signs |= pack_bits(zeros, overwrite=True) & tie
         momentum.lerp_(grad, 1 - beta2)
         return Message({"signs": signs})
 
