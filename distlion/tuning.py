@@ -227,6 +227,9 @@ class Choice:
     trials: dict[Point, list[dict[str, Any]]] = field(default_factory=dict)
     best: Point | None = None
     edges: list[str] = field(default_factory=list)
+    # Trials of earlier grids, budgets or seeds of the same method and settings: never chosen from, but
+    # tuning effort this method had (a grid widened after an edge warning gives its method more trials).
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
     def score(self, point: Point) -> float:
         values = [s.get(self.objective) for s in self.trials[point]]
@@ -284,22 +287,25 @@ def select(summaries: list[dict[str, Any]], tuning: Tuning) -> list[Choice]:
     point with the best mean validation objective over seeds (never a test metric; ties: smaller lr, then
     smaller weight decay). Trials of earlier grids, budgets or seeds are left out."""
     choices: dict[tuple, Choice] = {}
+    earlier: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for s in summaries:
         hparams = {k.removeprefix("method."): v for k, v in s.items() if k.startswith("method.")}
         info = variant_of(s["method"], hparams)
-        if not is_current(s, tuning, tuning.space(info.name)):
-            continue
         others = tuple(sorted((k, _hashable(v)) for k, v in s.items()
                               if k in ("workers", "per_worker_batch") or
                               (k.startswith("method.") and k != "method.weight_decay")))
         key = (s["task"], info.name, others)
+        if not is_current(s, tuning, tuning.space(info.name)):
+            earlier[key].append(s)
+            continue
         if key not in choices:
             objective, higher, scale = _objective(s, tuning.objective)
             choices[key] = Choice(s["task"], info.name, info.label, others, objective, higher, scale,
                                   tuning.space(info.name))
         point = (s["lr"], s.get("method.weight_decay"))
         choices[key].trials.setdefault(point, []).append(s)
-    for c in choices.values():
+    for key, c in choices.items():
+        c.earlier = earlier.get(key, [])
         sign = 1.0 if c.higher_is_better else -1.0
 
         def rank(point: Point, c: Choice = c, sign: float = sign) -> tuple:
@@ -449,13 +455,21 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
             written.append(tuned_dir / target)
             status = f"`{target}`"
         others = _shown(c, choices)
-        lines.append(f"| {c.label} | {c.task} | {others} | {len(c.runs)} | {len(failed)} | {c.steps} | {c.wall:.0f} "
+        more = f" (+{len(c.earlier)} earlier)" if c.earlier else ""
+        lines.append(f"| {c.label} | {c.task} | {others} | {len(c.runs)}{more} | {len(failed)} | {c.steps} "
+                     f"| {c.wall:.0f} "
                      f"| {c.best[0]:g} | {wd if wd is not None else '—'} | {c.scale * c.score(c.best):.4g} | "
                      f"{'**YES**' if c.edges else 'no'} | {status} |")
         section = [f"\n## {c.label} on {c.task} ({others})\n",
                    f"Grid: {c.space.describe() if c.space else 'not in this spec'}. Chosen: lr={c.best[0]:g}, "
                    f"weight decay={wd}, {c.objective}={c.scale * c.score(c.best):.4g}. Compute: {len(c.runs)} trials, "
                    f"{c.steps} trial-steps, {c.wall:.1f} s.\n"]
+        if c.earlier:
+            steps, wall = sum(e["steps"] for e in c.earlier), sum(e["wall_time"] for e in c.earlier)
+            lrs = ", ".join(f"{lr:g}" for lr in sorted({e["lr"] for e in c.earlier}))
+            section.append(f"Also {len(c.earlier)} trials of earlier grids, budgets or seeds ({steps} trial-steps, "
+                           f"{wall:.0f} s; lr {lrs}): not chosen from, but tuning effort this method had beyond "
+                           "its grid.\n")
         if c.edges:
             section.append(f"**WARNING: the best point lies on the edge of its grid ({'; '.join(c.edges)}): "
                            "widen the grid in the spec and tune again; not written back"

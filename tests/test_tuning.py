@@ -229,6 +229,16 @@ def test_trials_of_an_earlier_grid_budget_or_seed_are_not_chosen(tmp_path):
             summary("adamw", 1e-4, 0.99, 0.99, run_dir=str(stale_dir))]  # another budget
     (choice,) = select(runs, tuning)
     assert choice.best == (1e-3, 0.1) and list(choice.trials) == [(1e-3, 0.1)]
+    # ... but they were tuning effort, and the report counts them beside the grid's trials
+    assert sorted(e["lr"] for e in choice.earlier) == [1e-4, 3e-3, 1e-2]
+    trials = tmp_path / "tuning"
+    for i, run in enumerate([*runs[:3], summary("adamw", 1e-2, 0.5, 0.5)]):
+        (trials / str(i)).mkdir(parents=True)
+        (trials / str(i) / "summary.json").write_text(json.dumps({k: v for k, v in run.items() if k != "run_dir"}))
+    write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", None)
+    md = (tmp_path / "results" / "tuning.md").read_text()
+    assert "| G-AdamW | digits | per_worker_batch=32, workers=4 | 2 (+2 earlier) |" in md
+    assert "Also 2 trials of earlier grids, budgets or seeds (120 trial-steps, 4 s; lr 0.003, 0.01)" in md
 
 
 def test_a_rewritten_tuned_file_keeps_the_settings_the_trials_ran_with(tmp_path):
