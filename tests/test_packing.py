@@ -133,3 +133,18 @@ def test_alternating_bits_is_plus_one_where_index_plus_step_is_even(step):
     expected = (torch.arange(numel) + step) % 2 == 0
     assert torch.equal(bits, expected)
     assert alternating_bits(3, step).dtype == torch.uint8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_packing_voting_and_sign_unpacking_on_cuda_equal_the_cpu_s():
+    """The kernels D-Lion runs on the gradients' device compute on CUDA what they compute on CPU, bit for bit."""
+    from distlion.comm.voting import count_votes, majority_vote
+
+    bits = torch.rand(8, 10_001, generator=torch.Generator().manual_seed(0)) < 0.5
+    packed = {device: pack_bits(bits.to(device)) for device in ("cpu", "cuda")}
+    assert torch.equal(packed["cuda"].cpu(), packed["cpu"])
+    assert torch.equal(majority_vote(packed["cuda"]).cpu(), majority_vote(packed["cpu"]))
+    assert torch.equal(count_votes(packed["cuda"]).cpu(), count_votes(packed["cpu"]))
+    outs = {device: torch.empty(8 * packed["cpu"].shape[1], device=device) for device in ("cpu", "cuda")}
+    signs = {device: unpack_signs(packed[device][0], 10_001, out=outs[device]) for device in ("cpu", "cuda")}
+    assert torch.equal(signs["cuda"].cpu(), signs["cpu"])
