@@ -41,11 +41,12 @@ def as_words(data: torch.Tensor) -> torch.Tensor:
     return data.view(torch.int64)
 
 
-def pack_bits(bits: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+def pack_bits(bits: torch.Tensor, overwrite: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack a bool tensor [..., n] into uint8 [..., ceil(n/8)]; padding bits are 0.
 
     `overwrite=True`: `bits` is a scratch mask this call may use as its working words (garbage afterwards), so
     nothing is allocated but the packed result (a copy is made as before where its words are not a view).
+    `out`: a uint8 tensor of the result's shape to write it into (then nothing is allocated at all).
     """
     if bits.dtype != torch.bool:
         bits = bits != 0
@@ -55,7 +56,7 @@ def pack_bits(bits: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     else:
         words = words * _GATHER
     words >>= 56
-    return words.to(torch.uint8)
+    return words.to(torch.uint8) if out is None else out.copy_(words)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:

@@ -13,6 +13,10 @@ from distlion.methods.registry import MethodInfo, register
 AGGREGATIONS = ("mavo", "avg")
 
 
+#: Elements per block of the worker rule on CPU: 1 MB of fp32 update and 256 KB of mask, in L2.
+CPU_BLOCK = 1 << 18
+
+
 class DLion(Method):
     """Distributed Lion: 1-bit signs up, a majority vote (MaVo) or an average (Avg) down.
 
@@ -74,22 +78,34 @@ class DLion(Method):
         return {"momentum": torch.zeros_like(self.params)}
 
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
-        beta1, beta2 = self.betas
         momentum = state["momentum"]
-        # Scratch buffers reused across workers and steps: fresh 4n-byte allocations page-fault.
-        update = torch.mul(momentum, beta1, out=self._scratch).add_(grad, alpha=1 - beta1)
-        signs = pack_bits(torch.gt(update, 0, out=self._mask), overwrite=True)
-        if self.zero_sign == "zero":
-            nonzero = pack_bits(torch.ne(update, 0, out=self._mask), overwrite=True)
-            momentum.lerp_(grad, 1 - beta2)
-            return Message({"signs": signs, "nonzero": nonzero})
-        if int(torch.count_nonzero(update)) < update.numel():  # a 0 (a row no token reached): pack the ties
-            zeros = torch.eq(update, 0, out=self._mask)
-            tie = tie_bits(self.zero_sign, signs.numel(), ctx.step, signs.device)
+        n = momentum.numel()
+        signs = torch.empty(packed_size(n), dtype=torch.uint8, device=momentum.device)
+        nonzero = torch.empty_like(signs) if self.zero_sign == "zero" else None
+        # On CPU in blocks whose update and mask stay in cache from the first pass over them to the last (the
+        # same elementwise ops, so the same bits); on a GPU in one block: there launches cost, not passes.
+        block = n if momentum.is_cuda else CPU_BLOCK
+        for start in range(0, n, block):
+            stop = min(start + block, n)
+            self._rule_block(grad[start:stop], momentum[start:stop], signs[start // 8 : (stop + 7) // 8],
+                             None if nonzero is None else nonzero[start // 8 : (stop + 7) // 8], ctx.step)
+        return Message({"signs": signs} if nonzero is None else {"signs": signs, "nonzero": nonzero})
+
+    def _rule_block(self, grad: torch.Tensor, momentum: torch.Tensor, signs: torch.Tensor,
+                    nonzero: torch.Tensor | None, step: int) -> None:
+        """The worker rule on one block: its packed signs (and nonzero bits) written into `signs`, momentum
+        updated in place. Scratch buffers are reused across blocks, workers and steps (fresh ones page-fault)."""
+        beta1, beta2 = self.betas
+        n = momentum.numel()
+        update = torch.mul(momentum, beta1, out=self._scratch[:n]).add_(grad, alpha=1 - beta1)
+        pack_bits(torch.gt(update, 0, out=self._mask[:n]), overwrite=True, out=signs)
+        if nonzero is not None:
+            pack_bits(torch.ne(update, 0, out=self._mask[:n]), overwrite=True, out=nonzero)
+        elif int(torch.count_nonzero(update)) < n:  # a 0 (a row no token reached): pack the ties
+            tie = tie_bits(self.zero_sign, signs.numel(), step, signs.device)  # a block starts on a whole byte
             if tie is not None:
-                signs |= pack_bits(zeros, overwrite=True) & tie
+                signs |= pack_bits(torch.eq(update, 0, out=self._mask[:n]), overwrite=True) & tie
         momentum.lerp_(grad, 1 - beta2)
-        return Message({"signs": signs})
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
         if self.zero_sign == "zero":
@@ -126,6 +142,15 @@ class DLion(Method):
 
     def apply_rule(self, down: Message, ctx: StepContext) -> None:
         # -lr * Delta is exact for Delta = +-1, so this rounds as one add of +-lr would.
+        if self.aggregation == "mavo" and self.zero_sign != "zero" and not self.params.is_cuda:
+            # MaVo on CPU in blocks, as the worker rule: a block's +-1 are unpacked where the apply reads them.
+            n, vote = self.params.numel(), down["vote"]
+            for start in range(0, n, CPU_BLOCK):
+                stop = min(start + CPU_BLOCK, n)
+                packed = vote[start // 8 : (stop + 7) // 8]
+                delta = unpack_signs(packed, stop - start, out=self._spread[: 8 * packed.numel()])
+                self.params[start:stop].mul_(1 - ctx.lr * self.weight_decay).add_(delta, alpha=-ctx.lr)
+            return
         self.params.mul_(1 - ctx.lr * self.weight_decay)
         self.params.add_(self.delta(down, ctx), alpha=-ctx.lr)
 
