@@ -271,3 +271,30 @@ def test_zero_grad_then_no_backward_is_no_gradient_and_an_assigned_one_persists(
     ours.step()  # the last backward's gradients are still there: they step again
     ours.step()
     assert all(not torch.equal(p, q) for p, q in zip(ours_params[:2], before[:2], strict=True))
+
+
+@pytest.mark.parametrize("zero_sign", ["alternate", "positive", "zero"])
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_the_blocked_worker_rule_and_apply_equal_one_block_bitwise(monkeypatch, zero_sign, aggregation):
+    """On CPU the rule and MaVo's apply run block by block (for the cache): the same bits and parameters as in
+    one block, with exact zeros (ties), a size that is no multiple of the block or of 8, and several steps."""
+    import distlion.methods.dlion as dlion_module
+
+    n, workers = 1000 + 5, 3
+    torch.manual_seed(0)
+    grads = [torch.randn(workers, n) for _ in range(3)]
+    for g in grads:
+        g[:, ::7] = 0  # ties at every step
+
+    def run(block: int):
+        monkeypatch.setattr(dlion_module, "CPU_BLOCK", block)
+        sim = Simulation("dlion", [torch.nn.Parameter(torch.linspace(-1, 1, n))], workers, lr=1e-2,
+                         weight_decay=0.1, aggregation=aggregation, zero_sign=zero_sign)
+        results = [sim.step([[g] for g in step]) for step in grads]
+        momenta = [state["momentum"].clone() for state in results[-1].worker_states]
+        return sim.params[0].clone(), momenta, [(r.bits_up, r.bits_down) for r in results]
+
+    blocked, whole = run(64), run(1 << 30)
+    assert torch.equal(blocked[0], whole[0])
+    assert all(torch.equal(a, b) for a, b in zip(blocked[1], whole[1], strict=True))
+    assert blocked[2] == whole[2]

@@ -13,7 +13,8 @@ from distlion.methods.registry import MethodInfo, register
 AGGREGATIONS = ("mavo", "avg")
 
 
-#: Elements per block of the worker rule on CPU: 1 MB of fp32 update and 256 KB of mask, in L2.
+#: Elements per block of the worker rule on CPU: 1 MB of fp32 update and 256 KB of mask, in L2. A multiple of 64
+#: (whole words of mask, whole bytes of signs), so that a block packs exactly the bytes of its elements.
 CPU_BLOCK = 1 << 18
 
 
