@@ -259,9 +259,9 @@ class DistributedLion(torch.optim.Optimizer):
         key = (index, params[0].device, params[0].dtype)
         flat = self._flats.get(key)
         if flat is None or flat.ids != [id(p) for p in params]:
-            place = {id(q): i for i, q in enumerate(group["params"])}
-            flat = self._flats[key] = _FlatBucket(params, [f"parameter {place[id(p)]} of its param group"
-                                                           for p in params])
+            if flat is not None:
+                flat.unhook()
+            flat = self._flats[key] = _FlatBucket(params, _layout(group, params))
             self._flat_of.update(dict.fromkeys(flat.ids, flat))
         flat.link()
         comm = self.comm
@@ -287,11 +287,7 @@ class DistributedLion(torch.optim.Optimizer):
         x = torch.cat([w.reshape(-1) for w in weights])
         grad = torch.cat([(torch.zeros_like(w) if p.grad is None else p.grad.to(dtype)).reshape(-1)
                           for p, w in zip(params, weights, strict=True)])
-        index = {id(q): i for i, q in enumerate(group["params"])}
-        layout, offset = [], 0
-        for p in params:  # names for error messages: the parameter's place in its group
-            layout.append(Segment(f"parameter {index[id(p)]} of its param group", offset, p.numel(), tuple(p.shape)))
-            offset += p.numel()
+        layout = _layout(group, params)
         rule = DLion(float(group["lr"]), group["betas"], group["weight_decay"], group["aggregation"],
                      group["zero_sign"], group["mavo_tie"]).bind(x, comm.world_size, layout)
         ctx = StepContext(step=step, lr=float(group["lr"]), num_workers=comm.world_size)
@@ -307,6 +303,16 @@ class DistributedLion(torch.optim.Optimizer):
             self.state[p]["step"] = step + 1
 
 
+def _layout(group: dict[str, Any], params: list[torch.Tensor]) -> list[Segment]:
+    """The parameters back to back in one flat buffer, named for error messages by their place in the group."""
+    place = {id(q): i for i, q in enumerate(group["params"])}
+    layout, offset = [], 0
+    for p in params:
+        layout.append(Segment(f"parameter {place[id(p)]} of its param group", offset, p.numel(), tuple(p.shape)))
+        offset += p.numel()
+    return layout
+
+
 class _FlatBucket:
     """One param group's parameters of one device and dtype, re-homed into a flat buffer `x` whose slices they
     are, with their gradients as slices of `grad`: a step reads and writes the buffers, with no copies.
@@ -316,19 +322,14 @@ class _FlatBucket:
     backward has accumulated into since (a post-accumulate-grad hook takes them out): they have none.
     """
 
-    def __init__(self, params: list[torch.Tensor], names: list[str]):
+    def __init__(self, params: list[torch.Tensor], layout: list[Segment]):
         self.params = params
         self.ids = [id(p) for p in params]
-        self.slots: dict[int, tuple[int, int]] = {}
-        self.layout: list[Segment] = []
-        offset = 0
-        for p, name in zip(params, names, strict=True):
-            self.slots[id(p)] = (offset, p.numel())
-            self.layout.append(Segment(name, offset, p.numel(), tuple(p.shape)))
-            offset += p.numel()
-        device, dtype = params[0].device, params[0].dtype
-        self.x = torch.empty(offset, dtype=dtype, device=device)
-        self.grad = torch.zeros(offset, dtype=dtype, device=device)
+        self.layout = layout
+        self.slots = {id(p): (s.offset, s.numel) for p, s in zip(params, layout, strict=True)}
+        device, dtype, numel = params[0].device, params[0].dtype, layout[-1].stop
+        self.x = torch.empty(numel, dtype=dtype, device=device)
+        self.grad = torch.zeros(numel, dtype=dtype, device=device)
         self.zeroed: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._reached) for p in params]
         # What link() made: each gradient's view (the same Python object while it stays p.grad) and each
@@ -341,6 +342,11 @@ class _FlatBucket:
 
     def _reached(self, p: torch.Tensor) -> None:
         self.zeroed.discard(id(p))
+
+    def unhook(self) -> None:
+        """Remove the gradient hooks (the bucket is replaced by one over other parameters)."""
+        for hook in self._hooks:
+            hook.remove()
 
     def is_view(self, p: torch.Tensor) -> bool:
         return p.grad is not None and p.grad is self._grad_views[self._index[id(p)]]
