@@ -12,14 +12,15 @@ import torch
 from timm.optim import Lion
 from torch.profiler import ProfilerActivity, profile
 
-from distlion import DistributedLion
+from distlion import DistributedLion, kernels
 from distlion.comm.exchange import InProcessExchange
 from distlion.methods import StepContext, build_method
 from distlion.methods.step import BufferWorkers, algorithm1_step, nonfinite_workers
 
 NUMEL = 10_000_000
 WORKERS = 8
-# DRAM bytes per parameter, for fp32 (a block's update, mask and +-1 stay in cache). A timm Lion step:
+# DRAM bytes per parameter, for fp32 (the fused kernels keep the update in registers; the eager ops' blocks keep
+# their update, mask and +-1 in cache). A timm Lion step:
 # p *= 1 - lr wd (r4 w4), u = lerp(m, g) (r8 w4), sign_ (r4 w4), p += -lr u (r8 w4), m = lerp(m, g) (r8 w4).
 LION_BYTES = 48.0
 # The N=8 D-Lion step: per worker the finite check (r4) and the rule (r m, g; w m; w 1/8 of signs); the vote
@@ -90,7 +91,7 @@ def _run(repeats: int) -> list[dict]:
         "detail": f"dlion {statistics.median(ours) * 1e3:.0f} ms vs Lion {statistics.median(theirs) * 1e3:.0f} ms "
                   f"(median of {repeats}, interleaved, {torch.get_num_threads()} thread); memory traffic "
                   f"{DLION_BYTES:.0f} vs {8 * LION_BYTES:.0f} B/param, so {DLION_BYTES / (8 * LION_BYTES):.2f}x "
-                  "where both ran at the memory limit",
+                  f"where both ran at the memory limit; fused kernels {kernels.status('dlion')}",
     }]
 
 
@@ -129,7 +130,7 @@ def _optimizer_rows(numel: int, tensors: int, repeats: int) -> list[dict]:
         "name": f"(a2) DistributedLion step, world of one, vs timm Lion step ({size} params in {tensors} tensors)",
         "value": ours_s / theirs_s, "unit": "x time", "target": "<= 1.1" if numel >= 1e6 else "<= 1.5",
         "detail": f"{ours_s * 1e3:.3f} ms vs {theirs_s * 1e3:.3f} ms (median of {repeats}, {loops} steps each, "
-                  f"interleaved, {torch.get_num_threads()} thread)",
+                  f"interleaved, {torch.get_num_threads()} thread; fused kernels {kernels.status('dlion')})",
     }, {
         "name": f"(a2) bytes allocated per DistributedLion step ({size} params), per parameter",
         "value": allocated["ours"] / numel, "unit": "B/param", "target": "",

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distlion"
 LAYERS = {
     "distlion.flat": (0, "flat"),
     "distlion.seeding": (0, "seeding"),
+    "distlion.kernels": (0, "kernels"),
     "distlion.tasks": (0, "tasks"),
     "distlion.comm": (1, "comm"),
     "distlion.methods": (2, "methods"),

@@ -276,7 +276,7 @@ def test_zero_grad_then_no_backward_is_no_gradient_and_an_assigned_one_persists(
 @pytest.mark.parametrize("zero_sign", ["alternate", "positive", "zero"])
 @pytest.mark.parametrize("aggregation", ["mavo", "avg"])
 def test_the_blocked_worker_rule_and_apply_equal_one_block_bitwise(monkeypatch, zero_sign, aggregation):
-    """On CPU the rule and MaVo's apply run block by block (for the cache): the same bits and parameters as in
+    """On CPU the eager rule and MaVo's apply run block by block (for the cache): the same bits and parameters as in
     one block, with exact zeros (ties), a size that is no multiple of the block or of 8, and several steps."""
     import distlion.methods.dlion as dlion_module
 
@@ -288,8 +288,9 @@ def test_the_blocked_worker_rule_and_apply_equal_one_block_bitwise(monkeypatch, 
 
     def run(block: int):
         monkeypatch.setattr(dlion_module, "CPU_BLOCK", block)
-        sim = Simulation("dlion", [torch.nn.Parameter(torch.linspace(-1, 1, n))], workers, lr=1e-2,
-                         weight_decay=0.1, aggregation=aggregation, zero_sign=zero_sign)
+        method = build_method("dlion", lr=1e-2, weight_decay=0.1, aggregation=aggregation, zero_sign=zero_sign)
+        method.fused = False  # the blocks are the eager ops' (the fused kernels: tests/test_kernels.py)
+        sim = Simulation(method, [torch.nn.Parameter(torch.linspace(-1, 1, n))], workers)
         results = [sim.step([[g] for g in step]) for step in grads]
         momenta = [state["momentum"].clone() for state in results[-1].worker_states]
         return sim.params[0].clone(), momenta, [(r.bits_up, r.bits_down) for r in results]

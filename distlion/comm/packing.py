@@ -120,5 +120,9 @@ def alternating_bits(num_bytes: int, step: int, device: torch.device | str = "cp
     coordinate alternates +1/-1 from step to step, so a tie moves a parameter by at most lr and
     the moves cancel instead of drifting one way.
     """
-    pattern = 0x55 if step % 2 == 0 else 0xAA
-    return torch.full((num_bytes,), pattern, dtype=torch.uint8, device=device)
+    return torch.full((num_bytes,), alternating_byte(step), dtype=torch.uint8, device=device)
+
+
+def alternating_byte(step: int) -> int:
+    """The byte `alternating_bits` repeats at `step`: bits 0, 2, 4, 6 (even elements) set on even steps."""
+    return 0x55 if step % 2 == 0 else 0xAA

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from distlion.comm.packing import alternating_bits, as_words, uint_width, unpack_bits
+from distlion.comm.packing import alternating_bits, alternating_byte, as_words, uint_width, unpack_bits
 
 _CPU_CHUNK_BYTES = 1 << 18
 
@@ -119,8 +119,14 @@ def tie_bits(rule: str, num_bytes: int, step: int, device: torch.device | str = 
     `alternating_bits`), "positive" (all +1) or "negative" (all -1, returned as None: no bit to set)."""
     if rule == "alternate":
         return alternating_bits(num_bytes, step, device)
-    if rule == "positive":
-        return torch.full((num_bytes,), 0xFF, dtype=torch.uint8, device=device)
-    if rule == "negative":
-        return None
+    byte = tie_byte(rule, step)
+    return None if byte == 0 else torch.full((num_bytes,), byte, dtype=torch.uint8, device=device)
+
+
+def tie_byte(rule: str, step: int) -> int:
+    """`tie_bits` as the one byte it repeats (every pattern is the same in every byte), 0 for "negative"."""
+    if rule == "alternate":
+        return alternating_byte(step)
+    if rule in ("positive", "negative"):
+        return 0xFF if rule == "positive" else 0
     raise ValueError(f"tie rule {rule!r} is unknown; choose one of {TIE_RULES}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
+import distlion.kernels as kernels
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, pack_uint, packed_size, uint_width, unpack_bits, unpack_signs, unpack_uint
-from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits
+from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits, tie_byte
 from distlion.methods.base import Method, StepContext, check_betas, check_choice
 from distlion.methods.registry import MethodInfo, register
 
@@ -66,14 +70,24 @@ class DLion(Method):
         self.aggregation = aggregation
         self.zero_sign = zero_sign
         self.mavo_tie = mavo_tie
+        self.fused = True  # False keeps the eager ops (the reference the fused kernels are checked against)
 
     def bind(self, params: torch.Tensor, num_workers: int, layout=None) -> Method:
         super().bind(params, num_workers, layout)
-        # One scratch of whole bytes' worth of elements: the vote unpacks into it with its padding bits.
-        self._spread = params.new_empty(8 * packed_size(params.numel()))
-        self._scratch = self._spread[: params.numel()]
-        self._mask = torch.empty_like(params, dtype=torch.bool)
+        self._spread = self._mask = None  # the eager ops' scratch, made when first needed
+        # On CPU the fused kernels, where they reproduce the eager ops here (distlion.kernels); the eager ops else.
+        fusable = self.fused and params.device.type == "cpu" and params.dtype == torch.float32 \
+            and self.zero_sign != "zero"
+        self._kernels = checked_kernels(self.betas) if fusable else None
         return self
+
+    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole bytes' worth of elements (the vote unpacks into it with its padding bits) and a bool mask, reused
+        across blocks, workers and steps (fresh ones page-fault)."""
+        if self._spread is None:
+            self._spread = self.params.new_empty(8 * packed_size(self.params.numel()))
+            self._mask = torch.empty_like(self.params, dtype=torch.bool)
+        return self._spread, self._mask
 
     def init_worker_state(self) -> dict[str, torch.Tensor]:
         return {"momentum": torch.zeros_like(self.params)}
@@ -82,6 +96,9 @@ class DLion(Method):
         momentum = state["momentum"]
         n = momentum.numel()
         signs = torch.empty(packed_size(n), dtype=torch.uint8, device=momentum.device)
+        if self._kernels is not None and grad.dtype == momentum.dtype and grad.is_contiguous():
+            self._kernels.rule(grad, momentum, signs, self.betas, tie_byte(self.zero_sign, ctx.step))
+            return Message({"signs": signs})
         nonzero = torch.empty_like(signs) if self.zero_sign == "zero" else None
         # On CPU in blocks whose update and mask stay in cache from the first pass over them to the last (the
         # same elementwise ops, so the same bits); on a GPU in one block: there launches cost, not passes.
@@ -94,23 +111,27 @@ class DLion(Method):
 
     def _rule_block(self, grad: torch.Tensor, momentum: torch.Tensor, signs: torch.Tensor,
                     nonzero: torch.Tensor | None, step: int) -> None:
-        """The worker rule on one block: its packed signs (and nonzero bits) written into `signs`, momentum
-        updated in place. Scratch buffers are reused across blocks, workers and steps (fresh ones page-fault)."""
+        """The worker rule on one block in eager ops: its packed signs (and nonzero bits) written into `signs`,
+        momentum updated in place."""
         beta1, beta2 = self.betas
         n = momentum.numel()
-        update = torch.mul(momentum, beta1, out=self._scratch[:n]).add_(grad, alpha=1 - beta1)
-        pack_bits(torch.gt(update, 0, out=self._mask[:n]), overwrite=True, out=signs)
+        spread, mask = self._scratch()
+        update = torch.mul(momentum, beta1, out=spread[:n]).add_(grad, alpha=1 - beta1)
+        pack_bits(torch.gt(update, 0, out=mask[:n]), overwrite=True, out=signs)
         if nonzero is not None:
-            pack_bits(torch.ne(update, 0, out=self._mask[:n]), overwrite=True, out=nonzero)
+            pack_bits(torch.ne(update, 0, out=mask[:n]), overwrite=True, out=nonzero)
         elif int(torch.count_nonzero(update)) < n:  # a 0 (a row no token reached): pack the ties
             tie = tie_bits(self.zero_sign, signs.numel(), step, signs.device)  # a block starts on a whole byte
             if tie is not None:
-                signs |= pack_bits(torch.eq(update, 0, out=self._mask[:n]), overwrite=True) & tie
+                signs |= pack_bits(torch.eq(update, 0, out=mask[:n]), overwrite=True) & tie
         momentum.lerp_(grad, 1 - beta2)
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
         if self.zero_sign == "zero":
             return self._ternary_server_rule(messages)
+        if len(messages) == 1:  # one worker's signs are the vote (a sum of one +-1 is never 0) and the count
+            signs = messages[0]["signs"]
+            return Message({"vote": signs} if self.aggregation == "mavo" else {"counts": signs[None]})
         signs = torch.stack([m["signs"] for m in messages])
         if self.aggregation == "mavo":
             tie = tie_bits(self.mavo_tie, signs.shape[1], ctx.step, signs.device)
@@ -136,24 +157,71 @@ class DLion(Method):
                 return vote.mul_(unpack_bits(down["nonzero"], n))
             return unpack_uint(down["sums"], n).sub_(num_workers).to(self.params.dtype).div_(num_workers)
         if self.aggregation == "mavo":  # +-1 straight from the packed bytes, one gather
-            return unpack_signs(down["vote"], n, out=self._spread)
+            return unpack_signs(down["vote"], n, out=self._scratch()[0])
         # sum_i delta_i = 2 * (#plus) - N, divided by N.
         counts = unpack_uint(down["counts"], n).to(self.params.dtype)
         return counts.mul_(2).sub_(num_workers).div_(num_workers)
 
     def apply_rule(self, down: Message, ctx: StepContext) -> None:
         # -lr * Delta is exact for Delta = +-1, so this rounds as one add of +-lr would.
+        if self.aggregation == "mavo" and self._kernels is not None:
+            self._kernels.apply(self.params, down["vote"], ctx.lr, self.weight_decay)
+            return
         if self.aggregation == "mavo" and self.zero_sign != "zero" and not self.params.is_cuda:
             # MaVo on CPU in blocks, as the worker rule: a block's +-1 are unpacked where the apply reads them.
             n, vote = self.params.numel(), down["vote"]
             for start in range(0, n, CPU_BLOCK):
                 stop = min(start + CPU_BLOCK, n)
                 packed = vote[start // 8 : (stop + 7) // 8]
-                delta = unpack_signs(packed, stop - start, out=self._spread[: 8 * packed.numel()])
+                delta = unpack_signs(packed, stop - start, out=self._scratch()[0][: 8 * packed.numel()])
                 self.params[start:stop].mul_(1 - ctx.lr * self.weight_decay).add_(delta, alpha=-ctx.lr)
             return
         self.params.mul_(1 - ctx.lr * self.weight_decay)
         self.params.add_(self.delta(down, ctx), alpha=-ctx.lr)
+
+@functools.cache
+def checked_kernels(betas: tuple[float, float]) -> kernels.DLionKernels | None:
+    """The fused CPU kernels for these betas, if they build here and reproduce the eager ops bit for bit."""
+    fused = kernels.dlion()
+    if fused is None or reproduces_eager(fused, betas):
+        return fused
+    why = f"dlion.c rounds otherwise than this machine's torch ops (betas {betas}); the eager ops run"
+    kernels.disable("dlion", why)
+    warnings.warn(f"distlion: {why}", stacklevel=2)
+    return None
+
+
+def reproduces_eager(fused: kernels.DLionKernels, betas: tuple[float, float]) -> bool:
+    """Whether `fused` gives the eager ops' signs, ties, momenta and MaVo apply, bit for bit, on a probe where
+    rounding decides: half the updates within a few ulps of 0 (g ~ -b1/(1-b1) m), exact zeros, and a length
+    that leaves a tail after whole vectors (torch finishes a loop in scalar code)."""
+    n = 4096 + 37
+    gen = torch.Generator().manual_seed(0)
+    momentum = torch.randn(n, generator=gen) * torch.logspace(-8, 2, n)[torch.randperm(n, generator=gen)]
+    grad = torch.randn(n, generator=gen)
+    near = torch.rand(n, generator=gen) < 0.5
+    ratio = -betas[0] / (1 - betas[0]) if betas[0] < 1 else 0.0
+    grad[near] = momentum[near] * ratio * (1 + (torch.rand(int(near.sum()), generator=gen) - 0.5) * 1e-6)
+    grad[::97] = 0
+    momentum[::97] = 0
+    eager = DLion(lr=1e-3, betas=betas, weight_decay=0.1)
+    eager.fused = False
+    eager.bind(torch.randn(n, generator=gen), 1)
+    for step in (0, 1):  # both phases of the alternating tie
+        ctx = StepContext(step=step, lr=3e-3, num_workers=1)
+        expected = {"momentum": momentum.clone()}
+        signs = eager.worker_rule(grad, expected, ctx)["signs"]
+        fused_momentum, fused_signs = momentum.clone(), torch.empty_like(signs)
+        fused.rule(grad, fused_momentum, fused_signs, betas, tie_byte("alternate", step))
+        if not (torch.equal(signs, fused_signs) and torch.equal(expected["momentum"], fused_momentum)):
+            return False
+        fused_params = eager.params.clone()
+        eager.apply_rule(Message({"vote": signs}), ctx)
+        fused.apply(fused_params, signs, ctx.lr, eager.weight_decay)
+        if not torch.equal(eager.params, fused_params):
+            return False
+    return True
+
 
 register(MethodInfo("dlion", DLion, "D-Lion (MaVo)", "sign", "1 + z", "1 + z", order=13, fixed={"aggregation": "mavo"},
                     summary="`sign(sum_i sign(b1 m_i + (1-b1) g_i))`", reference="Liu et al. 2024, Algorithm 1"))
