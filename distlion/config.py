@@ -77,6 +77,8 @@ def validate(cfg: DictConfig) -> Method:
     if method.exchange == "in_backward" and train.dtype != "float32":
         raise ConfigError(f"method={cfg.method.name} keeps fp32 parameters (train.dtype=float32); DDP's bf16/fp16 "
                           "compression is method=ddp_bf16 / ddp_fp16")
+    if not isinstance(train.get("save_model", False), bool):
+        raise ConfigError(f"train.save_model={train.save_model!r} must be true or false")
     if not isinstance(train.master_weights, bool):
         raise ConfigError(f"train.master_weights={train.master_weights!r} must be true or false")
     if train.nonfinite not in NONFINITE_POLICIES:

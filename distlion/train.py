@@ -30,7 +30,7 @@ from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
 from distlion.cluster.sampler import ShardedSampler
-from distlion.config import LINK_ENV, validate
+from distlion.config import LINK_ENV, ConfigError, validate
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import Method, variant_of
@@ -56,6 +56,9 @@ class Run:
 def build_run(cfg: DictConfig, method: Method) -> Run:
     """Task, model, flat parameters, cluster and sampler of a validated config and its built method."""
     task = build_task(cfg.task, cfg.model)
+    if cfg.train.get("save_model") and not hasattr(task, "save_model"):
+        raise ConfigError(f"train.save_model=true: task {cfg.task.get('name')} cannot save its model in a form a "
+                          "later run loads (LM tasks can); drop train.save_model")
     sampler = ShardedSampler(task.num_train, cfg.cluster.workers, cfg.cluster.per_worker_batch, cfg.seed)
     steps = cfg.train.steps if cfg.train.steps is not None else math.ceil(cfg.train.epochs * sampler.steps_per_epoch)
     method.check_run(steps / sampler.steps_per_epoch)
@@ -197,6 +200,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "config_hash": directory.config_hash,
             **git_version(),
         }
+        if cluster.is_main and cfg.train.get("save_model"):
+            task.save_model(model, directory.path / "model")
+            summary["model_dir"] = "model"
         if cluster.is_main:
             directory.write_summary(summary)
         directory.remove_checkpoint(suffix)

@@ -1,7 +1,11 @@
 """LLaMA-style causal language modelling on contiguous token blocks.
 
 Model: `transformers.LlamaForCausalLM` (RMSNorm, RoPE, SwiGLU), random init, built by `build_llama`
-with the tokenizer's vocabulary size. Data: `task.data` is a folder holding `<split>-*.parquet`
+with the tokenizer's vocabulary size; or a pretrained one (`model=llama_pretrained model.pretrained=<folder>`,
+`load_llama`), whose own tokenizer then tokenizes the data: a finetune. `train.save_model=true` saves a run's
+final model and tokenizer with `save_pretrained` into `<run dir>/model`, the folder the next run loads.
+
+Data: `task.data` is a folder holding `<split>-*.parquet`
 (a `text` column, one document per row) or `<split>.txt` for the splits `train` and `validation`
 (Tiny Shakespeare and the Gutenberg books in `$DISTLION_DATA/text/`), a single .txt/.parquet file (its
 last `test_fraction` is held out), or `hub:<id>` (e.g. `hub:Skylion007/openwebtext`) when online.
@@ -36,7 +40,7 @@ from distlion.tasks.data import (
     resolve_path,
     split_files,
 )
-from distlion.tasks.tokenizer import build_tokenizer, text_digest
+from distlion.tasks.tokenizer import PretrainedTokenizer, build_tokenizer, text_digest
 
 HOW = ("a folder with train/validation .txt or Parquet files with a `text` column, e.g. Tiny Shakespeare "
        "from https://github.com/karpathy/char-rnn (data/tinyshakespeare/input.txt)")
@@ -47,6 +51,30 @@ def build_llama(vocab_size: int, **config: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **config))
+
+
+def pretrained_source(spec: str) -> str:
+    """What `from_pretrained` takes for `model.pretrained`: a local folder (it must hold config.json) or, for
+    `hub:<id>`, the id (the Hugging Face cache, or the hub when online)."""
+    if is_hub_id(spec):
+        return hub_id(spec)
+    path = Path(str(spec)).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.pretrained={spec}: no config.json in {path.resolve()}; point it at a folder written by "
+            "save_pretrained (a run with train.save_model=true writes <run dir>/model), or hub:<id> when online")
+    return str(path)
+
+
+def load_llama(pretrained: str, vocab_size: int | None = None) -> nn.Module:
+    """A pretrained `LlamaForCausalLM` (see `pretrained_source`), in float32 (`train.dtype` casts it)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(pretrained_source(pretrained), dtype=torch.float32)
+    if vocab_size is not None and model.config.vocab_size < vocab_size:
+        raise ValueError(f"model.pretrained={pretrained} has {model.config.vocab_size} token embeddings, fewer than "
+                         f"its tokenizer's {vocab_size} tokens")
+    return model
 
 
 class LanguageModelTask(Task):
@@ -96,7 +124,10 @@ class LanguageModelTask(Task):
         if max_chars is not None:
             train_texts, test_texts = _truncate(train_texts, max_chars), _truncate(test_texts, max_chars)
         train_texts, val_texts = carve_validation(train_texts, val_fraction)
-        self.tokenizer = build_tokenizer(tokenizer, vocab_size, train_texts)
+        pretrained = (model or {}).get("pretrained")
+        # A pretrained model keeps the tokenizer it was trained with; a fresh one gets its own, trained here.
+        self.tokenizer = (PretrainedTokenizer(pretrained_source(pretrained)) if pretrained
+                          else build_tokenizer(tokenizer, vocab_size, train_texts))
         self.train_ids = self._token_ids(train_texts)
         self.val_ids = self._token_ids(val_texts)
         self.test_ids = self._token_ids(test_texts)
@@ -140,6 +171,13 @@ class LanguageModelTask(Task):
         return tensor
 
     def build_model(self) -> nn.Module:
+        if self.model_cfg.get("pretrained"):
+            model = hydra.utils.instantiate(self.model_cfg, vocab_size=self.tokenizer.vocab_size)
+            positions = model.config.max_position_embeddings
+            if positions < self.block_size:
+                raise ValueError(f"model.pretrained={self.model_cfg.pretrained} has {positions} positions < "
+                                 f"task.block_size={self.block_size}; lower task.block_size")
+            return model
         positions = self.model_cfg.get("max_position_embeddings")
         if positions is not None and positions < self.block_size:
             raise ValueError(f"model.max_position_embeddings={positions} < task.block_size={self.block_size}")
@@ -167,6 +205,14 @@ class LanguageModelTask(Task):
 
     def references(self) -> dict[str, float]:
         return {"unigram_entropy": self.unigram_entropy}
+
+    def save_model(self, model: nn.Module, path: Path) -> None:
+        """The model and its tokenizer with `save_pretrained`: what `model.pretrained=<path>` loads."""
+        if not hasattr(self.tokenizer, "to_hf"):
+            raise ValueError(f"train.save_model needs a tokenizer transformers can load; task.tokenizer="
+                             f"{self.tokenizer.kind} has none: use task.tokenizer=bpe")
+        model.save_pretrained(path)
+        self.tokenizer.to_hf().save_pretrained(path)
 
 
 def load_texts(spec: str, test_fraction: float) -> tuple[list[str], list[str]]:

@@ -1,4 +1,5 @@
-"""Tokenizers trained or built locally, never downloaded: byte-level BPE (`tokenizers`) or raw bytes.
+"""Tokenizers trained or built locally, never downloaded: byte-level BPE (`tokenizers`) or raw bytes; or the
+tokenizer saved with a pretrained model (`PretrainedTokenizer`), which a finetune must keep.
 
 The BPE is trained on the training split only and cached under `$DISTLION_CACHE/tokenizers/` in a
 file named by a hash of (kind, vocabulary size, training text), so the second run with the same data
@@ -49,6 +50,36 @@ class BPETokenizer:
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def to_hf(self):
+        """As a `transformers` tokenizer (the same ids), for `save_pretrained` and lm-eval."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(self.path), eos_token=EOT, pad_token=EOT)
+
+
+class PretrainedTokenizer:
+    """The tokenizer of a pretrained model (`AutoTokenizer.from_pretrained` of a local folder, or a hub id when
+    online), end-of-text = its EOS token."""
+
+    kind = "pretrained"
+
+    def __init__(self, source: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(source)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {source} has no EOS token to end documents with")
+        self.vocab_size = len(self._tok)
+        self.eot_id = self._tok.eos_token_id
+        vocab = sorted(self._tok.get_vocab().items())
+        self.key = f"pretrained-{text_digest([repr(vocab), self._tok.eos_token])}"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return self._tok(texts, add_special_tokens=False)["input_ids"]
+
+    def to_hf(self):
+        return self._tok
 
 
 def text_digest(texts: list[str]) -> str:
