@@ -66,7 +66,7 @@ def config_keys() -> dict[str, list[str]]:
     keys: dict[str, list[str]] = {}
 
     def add(node: Any, prefix: str, option: str) -> None:
-        for key, value in node.items():
+        for key, value in node.items_ex(resolve=False):  # a mandatory `???` is a setting too
             if key in ("defaults", "hydra"):
                 continue
             keys.setdefault(prefix + str(key), []).append(option)

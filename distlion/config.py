@@ -79,6 +79,13 @@ def validate(cfg: DictConfig) -> Method:
                           "compression is method=ddp_bf16 / ddp_fp16")
     if not isinstance(train.get("save_model", False), bool):
         raise ConfigError(f"train.save_model={train.save_model!r} must be true or false")
+    fewshot = cfg.get("eval")
+    if fewshot is not None:
+        if not all(isinstance(name, str) for name in fewshot.tasks):
+            raise ConfigError(f"eval.tasks={list(fewshot.tasks)} must be task names, e.g. [nextline,lastword]")
+        _whole("eval.num_fewshot", fewshot.num_fewshot, 0)
+        _whole("eval.limit", fewshot.limit, 1, optional=True)
+        _whole("eval.batch_size", fewshot.batch_size, 1)
     if not isinstance(train.master_weights, bool):
         raise ConfigError(f"train.master_weights={train.master_weights!r} must be true or false")
     if train.nonfinite not in NONFINITE_POLICIES:

@@ -56,6 +56,9 @@ class Run:
 def build_run(cfg: DictConfig, method: Method) -> Run:
     """Task, model, flat parameters, cluster and sampler of a validated config and its built method."""
     task = build_task(cfg.task, cfg.model)
+    if cfg.get("eval") and cfg.eval.tasks and not hasattr(task, "fewshot"):
+        raise ConfigError(f"eval.tasks={list(cfg.eval.tasks)}: few-shot evaluation is for LM tasks, not task "
+                          f"{cfg.task.get('name')}; drop eval.tasks")
     if cfg.train.get("save_model") and not hasattr(task, "save_model"):
         raise ConfigError(f"train.save_model=true: task {cfg.task.get('name')} cannot save its model in a form a "
                           "later run loads (LM tasks can); drop train.save_model")
@@ -161,6 +164,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                     # During training validation only (cheap: `val_examples` of it); the test split once, at the end.
                     last_eval = (final_evaluation(task, model) if is_last and cfg.train.test_eval
                                  else task.evaluate(model, "validation", None if is_last else task.val_examples))
+                    if is_last and cfg.train.test_eval and cfg.get("eval") and cfg.eval.tasks:
+                        last_eval |= task.fewshot(model, list(cfg.eval.tasks), cfg.eval.num_fewshot, cfg.eval.limit,
+                                                  cfg.eval.batch_size)
                     record.update(last_eval)
                 if evaluate or (step + 1) % cfg.train.log_every == 0:
                     record.update(clock.means())

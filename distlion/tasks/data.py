@@ -109,6 +109,14 @@ def atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """`Path.write_text` through a temporary file (processes that build the same cache file never see half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".JPEG")
 
 

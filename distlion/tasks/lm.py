@@ -131,6 +131,7 @@ class LanguageModelTask(Task):
         self.train_ids = self._token_ids(train_texts)
         self.val_ids = self._token_ids(val_texts)
         self.test_ids = self._token_ids(test_texts)
+        self.test_texts = test_texts  # the few-shot tasks' passages (distlion.tasks.fewshot)
         counts = torch.bincount(self.train_ids.long(), minlength=self.tokenizer.vocab_size).double()
         p = counts[counts > 0] / counts.sum()
         self.unigram_entropy = float(-(p * p.log()).sum())
@@ -205,6 +206,17 @@ class LanguageModelTask(Task):
 
     def references(self) -> dict[str, float]:
         return {"unigram_entropy": self.unigram_entropy}
+
+    def fewshot(self, model: nn.Module, tasks: list[str], num_fewshot: int, limit: int | None = None,
+                batch_size: int = 16) -> dict[str, float]:
+        """Few-shot accuracy through lm-eval (`distlion.tasks.fewshot`); local tasks read the test text."""
+        from distlion.tasks.fewshot import evaluate_fewshot
+
+        if not hasattr(self.tokenizer, "to_hf"):
+            raise ValueError(f"eval.tasks needs a tokenizer lm-eval can use; task.tokenizer={self.tokenizer.kind} has "
+                             "none: use task.tokenizer=bpe")
+        return evaluate_fewshot(model, self.tokenizer.to_hf(), tasks, "\n\n".join(self.test_texts), num_fewshot,
+                                limit, batch_size, max_length=self.block_size)
 
     def save_model(self, model: nn.Module, path: Path) -> None:
         """The model and its tokenizer with `save_pretrained`: what `model.pretrained=<path>` loads."""

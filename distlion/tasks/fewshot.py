@@ -1,0 +1,156 @@
+"""Few-shot evaluation of a language model through lm-evaluation-harness (`lm_eval.simple_evaluate` with its
+`HFLM` wrapping the model and tokenizer in memory), as the paper's third table evaluates its finetunes.
+
+`eval.tasks` names lm-eval tasks (the paper's: arc_easy, arc_challenge, boolq, piqa, siqa, hellaswag,
+openbookqa; their data from the Hugging Face cache, or the hub when online) or this repository's local ones,
+which need no download: lm-eval task YAML files in `fewshot/` whose documents are built here, deterministically,
+from the run's **test** text (held out from every training split; for Tiny Shakespeare the data's own
+validation file):
+
+- `nextline` (HellaSwag-style): 4 consecutive lines of a passage; choose its next line among it and 3 lines of
+  about its length from elsewhere in the same text.
+- `lastword` (LAMBADA-style): a passage of 3 lines without its last word; choose that word among it and 3
+  words of its length and case from elsewhere in the same text.
+
+Both have 4 choices (chance 25%); `fewshot_chance_<task>` is reported beside each score. The few-shot examples
+come from a pool of passages disjoint from the scored ones.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from distlion.tasks.data import atomic_write_text, cache_dir
+from distlion.tasks.tokenizer import text_digest
+
+TASK_FILES = Path(__file__).resolve().parent / "fewshot"
+CHOICES = 4
+POOL = 32  # passages kept for few-shot examples, never scored
+
+
+def _nonblank_lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def _length_matched(candidates: list[str], target: str, count: int, rng: random.Random,
+                    same: Callable[[str, str], bool]) -> list[str] | None:
+    """`count` distinct candidates unlike `target` for which `same(candidate, target)` holds, or None."""
+    pool = sorted({c for c in candidates if c != target and same(c, target)})
+    return rng.sample(pool, count) if len(pool) >= count else None
+
+
+def nextline_docs(text: str, seed: int = 0) -> list[dict[str, Any]]:
+    """Passages of 4 lines + the true next line (of at least 16 characters), non-overlapping, in text order."""
+    lines, rng, docs = _nonblank_lines(text), random.Random(seed), []
+    for start in range(0, len(lines) - 5, 5):
+        context, answer = lines[start : start + 4], lines[start + 4]
+        if len(answer) < 16:
+            continue
+        far = lines[: max(0, start - 50)] + lines[start + 55 :]  # not from the passage's neighbourhood
+        wrong = _length_matched(far, answer, CHOICES - 1, rng, lambda c, t: abs(len(c) - len(t)) <= max(3, len(t) // 5))
+        if wrong is None:
+            continue
+        choices = [answer, *wrong]
+        rng.shuffle(choices)
+        docs.append({"context": "\n".join(context), "choices": choices, "label": choices.index(answer)})
+    return docs
+
+
+def lastword_docs(text: str, seed: int = 0) -> list[dict[str, Any]]:
+    """Passages of 3 lines whose last word (letters only, at least 3, after a space) is held out, non-overlapping;
+    none that ends in a speaker's name."""
+    lines, rng, docs = _nonblank_lines(text), random.Random(seed), []
+    words = re.findall(r"[A-Za-z]{3,}", text)
+    for start in range(0, len(lines) - 3, 3):
+        passage = "\n".join(lines[start : start + 3])
+        match = re.search(r" ([A-Za-z]{3,})[^A-Za-z]*$", passage)  # a word after a space on the passage's last line
+        if match is None or lines[start + 2].endswith(":"):  # not a speaker's name
+            continue
+        answer = match.group(1)
+        wrong = _length_matched(words, answer, CHOICES - 1, rng,
+                                lambda c, t: len(c) == len(t) and c[0].isupper() == t[0].isupper())
+        if wrong is None:
+            continue
+        choices = [answer, *wrong]
+        rng.shuffle(choices)
+        docs.append({"context": passage[: match.start(1)].rstrip(), "choices": choices,
+                     "label": choices.index(answer)})
+    return docs
+
+
+LOCAL_TASKS: dict[str, Callable[[str], list[dict[str, Any]]]] = {"nextline": nextline_docs, "lastword": lastword_docs}
+
+
+def local_task_config(name: str, text: str) -> dict[str, Any]:
+    """The lm-eval config of local task `name` (its YAML in `fewshot/`) with its documents built from `text`:
+    a few-shot pool (lm-eval's train split: the first `POOL` passages of a seeded shuffle) and the scored rest
+    (its test split), as JSON lines cached by text and task."""
+    docs = LOCAL_TASKS[name](text)
+    random.Random(1).shuffle(docs)
+    if len(docs) < POOL + 10:
+        raise ValueError(f"few-shot task {name}: the test text makes only {len(docs)} passages, fewer than "
+                         f"{POOL + 10}; use a longer test split")
+    folder = cache_dir("fewshot") / f"{name}-{text_digest([text])}"
+    files = {}
+    for split, part in (("train", docs[:POOL]), ("test", docs[POOL:])):
+        files[split] = folder / f"{split}.jsonl"
+        if not files[split].exists():
+            atomic_write_text(files[split], "".join(json.dumps(d) + "\n" for d in part))
+    config = yaml.safe_load((TASK_FILES / f"{name}.yaml").read_text())
+    config["dataset_kwargs"] = {"data_files": {split: str(path) for split, path in files.items()}}
+    return config
+
+
+def evaluate_fewshot(model: nn.Module, tokenizer: Any, tasks: list[str], test_text: str, num_fewshot: int,
+                     limit: int | None = None, batch_size: int = 16, max_length: int = 256) -> dict[str, float]:
+    """Accuracy (and length-normalised accuracy) ± stderr of each task, keys `fewshot_<metric>_<task>`, plus
+    `fewshot_chance_<task>` for the local tasks. `tokenizer`: a transformers tokenizer."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager()
+    was_training = model.training
+    model.eval()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(next(model.parameters()).device),
+              max_length=max_length)
+    out: dict[str, float] = {}
+    try:
+        for name in tasks:
+            if name in LOCAL_TASKS:
+                task: str | dict[str, Any] = local_task_config(name, test_text)
+                out[f"fewshot_chance_{name}"] = 1 / CHOICES
+            elif name in manager.all_tasks:
+                task = name
+            else:
+                raise ValueError(f"few-shot task {name!r} is neither local ({', '.join(LOCAL_TASKS)}) nor an lm-eval "
+                                 "task name (e.g. arc_easy, hellaswag)")
+            try:
+                with torch.no_grad():
+                    results = lm_eval.simple_evaluate(
+                        model=lm, tasks=[task], num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                        log_samples=False, verbosity="ERROR", random_seed=0, numpy_random_seed=0,
+                        torch_random_seed=0, fewshot_random_seed=0)
+            except (ConnectionError, OSError) as err:  # the data set: not cached, and no hub to fetch it from
+                raise FileNotFoundError(
+                    f"few-shot task {name}: its data set could not be loaded ({type(err).__name__}); lm-eval reads it "
+                    "from the Hugging Face datasets cache (HF_DATASETS_CACHE, default ~/.cache/huggingface/datasets) "
+                    "or the hub when online; fetch it on a machine with internet, or evaluate local tasks "
+                    f"({', '.join(LOCAL_TASKS)})") from None
+            (scores,) = results["results"].values()
+            for metric in ("acc", "acc_norm"):
+                if f"{metric},none" in scores:
+                    out[f"fewshot_{metric}_{name}"] = float(scores[f"{metric},none"])
+                    out[f"fewshot_{metric}_stderr_{name}"] = float(scores[f"{metric}_stderr,none"])
+    finally:
+        model.train(was_training)
+    return out
