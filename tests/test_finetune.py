@@ -82,3 +82,21 @@ def test_a_missing_pretrained_folder_is_one_clear_error(make_cfg, tmp_path):
     assert isinstance(cause, FileNotFoundError) and "\n" not in str(cause)
     assert f"model.pretrained={tmp_path / 'nothing'}: no config.json" in str(cause)
     assert "train.save_model=true" in str(cause)
+
+
+@needs_data
+def test_the_pretraining_corpus_leaves_out_exactly_the_shakespeare_plays(make_cfg):
+    from omegaconf import OmegaConf
+
+    from distlion.tasks import TASK_CONFIGS
+    from distlion.tasks.lm import _exclude, load_texts
+
+    train, test = load_texts("text/gutenberg", 0.1)
+    kept_train, kept_test = _exclude(train, test, list(OmegaConf.load(TASK_CONFIGS / "gutenberg_pretrain.yaml")
+                                                        .exclude_documents))
+    assert len(kept_train) == len(kept_test) == 10
+    assert not any("Shakespeare" in t[:100] for t in kept_train)
+    assert sum("by William Shakespeare" in t[:100] for t in train) == 3
+    assert kept_test == [t for t, whole in zip(test, train, strict=True) if "Shakespeare" not in whole[:100]]
+    with pytest.raises(ValueError, match=r"task.exclude_documents=\[13\] needs .* indices below 13"):
+        _exclude(train, test, [13])

@@ -113,6 +113,7 @@ class LanguageModelTask(Task):
         random_offset: bool = True,
         val_examples: int | None = 64,
         eval_batch_size: int = 16,
+        exclude_documents: list[int] | None = None,
     ):
         super().__init__(model)
         self.block_size = block_size
@@ -121,6 +122,8 @@ class LanguageModelTask(Task):
         self.val_examples = val_examples
         self.val_fraction = val_fraction
         train_texts, test_texts = load_texts(data, test_fraction)
+        if exclude_documents:
+            train_texts, test_texts = _exclude(train_texts, test_texts, list(exclude_documents))
         if max_chars is not None:
             train_texts, test_texts = _truncate(train_texts, max_chars), _truncate(test_texts, max_chars)
         train_texts, val_texts = carve_validation(train_texts, val_fraction)
@@ -272,6 +275,16 @@ def carve_validation(texts: list[str], fraction: float) -> tuple[list[str], list
         raise ValueError(f"task.val_fraction={fraction} must be between 0 and 1")
     cuts = [int(len(t) * (1 - fraction)) for t in texts]
     return [t[:c] for t, c in zip(texts, cuts, strict=True)], [t[c:] for t, c in zip(texts, cuts, strict=True)]
+
+
+def _exclude(train: list[str], test: list[str], indices: list[int]) -> tuple[list[str], list[str]]:
+    """Both splits without the documents at `indices` (row i of each split is the same document's two parts)."""
+    if len(train) != len(test) or not all(0 <= i < len(train) for i in indices):
+        raise ValueError(f"task.exclude_documents={indices} needs data whose train and validation files hold the same "
+                         f"documents row by row, indices below {len(train)}; this data has {len(train)} train and "
+                         f"{len(test)} validation documents")
+    keep = [i for i in range(len(train)) if i not in set(indices)]
+    return [train[i] for i in keep], [test[i] for i in keep]
 
 
 def _truncate(texts: list[str], max_chars: int) -> list[str]:
