@@ -9,6 +9,10 @@ A spec with a `tuning:` section (see `distlion.tuning`) tunes first with `--tune
 `--tune-only`): its trials run into `runs/<name>/tuning/`, the chosen settings are written into
 `conf/tuned/`, and its sweeps, the final runs, then run into `runs/<name>/final/` with them.
 
+A spec with a `pretrain:` section (a list of overrides: one run) runs it first into `runs/<name>/pretrain/`,
+saving its model (`train.save_model=true`); every tuning trial and final run then starts from that model
+(`model=llama_pretrained model.pretrained=<its folder>`): a finetune.
+
 A failing grid point does not stop the others: it is recorded with its reason, the report is built
 from the finished runs and lists it, and the command exits 1. A second copy of a running spec skips
 the points the first one holds. Each sweep runs in its own process group under a small group leader
@@ -71,6 +75,17 @@ def sweep_points(sweep: str) -> list[list[str]]:
     choices = [[f"{o.get_key_element()}={v}" for v in (o.sweep_string_iterator() if o.is_sweep_override()
                                                       else [o.get_value_element_as_str()])] for o in overrides]
     return [list(point) for point in itertools.product(*choices)]
+
+
+def pretrain_command(spec: dict, extra: list[str], run_dir: Path) -> list[str]:
+    """The spec's `pretrain:` run, which saves its model into `run_dir`/model."""
+    return [sys.executable, "-m", "distlion.train", f"experiment={spec['name']}", *spec["pretrain"], *extra,
+            "train.save_model=true", f"hydra.run.dir='{run_dir}'"]
+
+
+def finetuning(spec: dict, model_dir: Path) -> dict:
+    """The spec with every run starting from the pretrained model in `model_dir`."""
+    return {**spec, "base": [*spec.get("base", []), "model=llama_pretrained", f"model.pretrained='{model_dir}'"]}
 
 
 def netem_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[str]]:
@@ -205,8 +220,8 @@ def main() -> None:
     except SpecError as err:
         raise SystemExit(f"distlion: error: {path.name}: {err}") from None
     base_dir, results_dir = args.out.resolve() / "runs" / spec["name"], args.out.resolve() / "results" / spec["name"]
-    # With a tuning section the trials and the final runs sit side by side, and the report reads the final ones.
-    runs_dir = base_dir / "final" if tuning is not None else base_dir
+    # With a tuning or a pretraining the final runs sit beside them in final/, and the report reads those.
+    runs_dir = base_dir / "final" if tuning is not None or "pretrain" in spec else base_dir
     trials_dir = base_dir / "tuning"
     shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
                         *args.overrides, *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])
@@ -216,6 +231,14 @@ def main() -> None:
         signal.signal(signal.SIGTERM, _stop)
         if args.conf_dir.resolve() != CONF and not (args.conf_dir / "config.yaml").exists():
             shutil.copytree(CONF, args.conf_dir, dirs_exist_ok=True)  # a copy whose tuned/ the tuning rewrites
+    if "pretrain" in spec:
+        pretrain_dir = base_dir / "pretrain"
+        if not args.report_only:
+            command = with_config_dir(pretrain_command(spec, args.overrides, pretrain_dir), args.conf_dir)
+            if _run_sweeps([command]):
+                raise SystemExit(f"distlion: error: the pretraining run failed; see {pretrain_dir}; fix it and rerun "
+                                 "the same command (a finished pretraining is skipped)")
+        spec = finetuning(spec, pretrain_dir / "model")
     # The tuning's report (tuning.md, the tuned files) is written by the tuning alone: --report-only leaves it.
     if tuning is not None and (args.tune or args.tune_only):
         commands = sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir)

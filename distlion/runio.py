@@ -67,6 +67,12 @@ def config_hash(cfg: DictConfig) -> str:
         not_hashed.append("train.test_eval")
     if config.get("cluster", {}).get("link") is None:  # runs made before links keep their hash
         not_hashed.append("cluster.link")
+    # Outputs added later (a saved model, few-shot scores): a run without them keeps its hash, and one that asks
+    # for them is another run (a finished run without them is not its twin).
+    if not config.get("train", {}).get("save_model", False):
+        not_hashed.append("train.save_model")
+    if not config.get("eval", {}).get("tasks"):
+        not_hashed.append("eval")
     for dotted in not_hashed:
         *parents, leaf = dotted.split(".")
         node = config

@@ -147,3 +147,42 @@ def test_a_run_asked_for_a_link_refuses_to_run_on_another(make_cfg, monkeypatch)
         validate(cfg)
     monkeypatch.setenv("DISTLION_LINK", "1gbit")
     validate(cfg)
+
+
+FINETUNE_SPEC = """
+name: finetune
+description: pretrain on Gutenberg, finetune on Shakespeare, few-shot scores
+pretrain: [task=gutenberg_pretrain, model=llama_cpu, model.hidden_size=32, model.intermediate_size=64,
+           model.num_hidden_layers=1, model.num_attention_heads=2, model.num_key_value_heads=2, task.max_chars=30000,
+           task.vocab_size=300, task.block_size=64, task.val_examples=8, method=adamw, method.lr=3e-3,
+           cluster.workers=2, cluster.per_worker_batch=4, train.steps=10, logger=none, train.progress=false]
+base: [task=shakespeare, task.max_chars=20000, task.block_size=64, task.val_examples=8, cluster.workers=2,
+       cluster.per_worker_batch=4, train.steps=3, method.lr=1e-3, "eval.tasks=[nextline]", eval.limit=10,
+       logger=none, train.progress=false]
+sweeps:
+  - method=dlion,lion
+seeds: [0]
+"""
+
+
+@pytest.mark.skipif(not (REPO.parent / "shared" / "data" / "text").is_dir() and not os.environ.get("DISTLION_DATA")
+                    and not os.environ.get("DISTLION_REQUIRE_DATA"), reason="the offline text data is absent")
+def test_a_spec_pretrains_once_then_finetunes_every_run_from_the_saved_model(tmp_path):
+    spec = tmp_path / "finetune.yaml"
+    spec.write_text(FINETUNE_SPEC)
+    run_experiment(spec, tmp_path)
+    model_dir = tmp_path / "runs" / "finetune" / "pretrain" / "model"
+    pretrain = json.loads((model_dir.parent / "summary.json").read_text())
+    assert pretrain["task"] == "gutenberg_pretrain" and (model_dir / "tokenizer.json").is_file()
+    final = tmp_path / "runs" / "finetune" / "final"
+    finals = {p.parent.name: json.loads(p.read_text()) for p in final.glob("*/summary.json")}
+    assert sorted(s["method"] for s in finals.values()) == ["dlion", "lion"]
+    for name, summary in finals.items():
+        config = (final / name / "config.yaml").read_text()
+        assert f"pretrained: {model_dir}" in config and summary["num_params"] == pretrain["num_params"]
+        assert 0 <= summary["fewshot_acc_nextline"] <= 1 and summary["fewshot_chance_nextline"] == 0.25
+        assert "/" not in name  # the model's path is not in the run's folder name
+    summaries_now = sorted((tmp_path / "runs" / "finetune").glob("**/summary.json"))
+    stamps = [p.stat().st_mtime_ns for p in summaries_now]
+    run_experiment(spec, tmp_path)  # everything finished: skipped, the pretraining included
+    assert [p.stat().st_mtime_ns for p in summaries_now] == stamps and len(stamps) == 3

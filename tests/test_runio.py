@@ -163,3 +163,18 @@ def test_a_run_directory_name_longer_than_a_file_name_allows_is_shortened_with_a
     name = runio.run_dirname(long)
     assert len(name) == runio.DIRNAME_LIMIT and name.startswith(long[:100]) and name == runio.run_dirname(long)
     assert runio.run_dirname(long + ",seed=1") != name
+
+
+def test_outputs_added_later_keep_the_hash_of_runs_made_without_them(make_cfg):
+    """A saved model and few-shot scores are outputs: a run without them (every run made before the settings)
+    keeps its hash; asking for them makes another run, so a finished run without them is not skipped as its twin."""
+    from omegaconf import OmegaConf
+
+    plain = make_cfg()
+    before = OmegaConf.create(OmegaConf.to_container(plain))
+    del before.train.save_model
+    del before["eval"]
+    assert runio.config_hash(plain) == runio.config_hash(before)
+    assert runio.config_hash(make_cfg("train.save_model=true")) != runio.config_hash(plain)
+    assert runio.config_hash(make_cfg("eval.tasks=[nextline]")) != runio.config_hash(plain)
+    assert runio.config_hash(make_cfg("eval.num_fewshot=5")) == runio.config_hash(plain)  # no task: no scores
