@@ -474,6 +474,33 @@ def time_to_target_table(runs: list[Run], targets: dict[str, Target]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fewshot_table(runs: list[Run]) -> str:
+    """Per group and few-shot task (`eval.tasks`, see `distlion.tasks.fewshot`): accuracy in % as mean ± std over
+    seeds, lm-eval's stderr of one run's accuracy (mean over seeds), and chance; "" without few-shot scores."""
+    tasks = sorted({k.removeprefix("fewshot_acc_") for r in runs for k in r if k.startswith("fewshot_acc_")
+                    and not k.startswith(("fewshot_acc_norm_", "fewshot_acc_stderr_"))})
+    if not tasks:
+        return ""
+    keys = varying_keys(runs)
+    extra = [k for k in keys if k not in ALWAYS_NAMED]
+    header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
+              "n", *(f"{t} acc (%)" for t in tasks)]
+    lines = ["Few-shot accuracy (%) on the test text through lm-eval (`eval.tasks`): mean ± std over seeds, then "
+             "in brackets lm-eval's stderr of one run's accuracy (mean over seeds); chance: "
+             + ", ".join(f"{t} {100 * runs[0].get(f'fewshot_chance_{t}', float('nan')):.0f}%" for t in tasks)
+             + ".\n", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for members in group_runs(runs, keys).values():
+        r = members[0]
+        cells = [r["label"], r["workers"], r["per_worker_batch"], *(_column(k, _value(r, k)) for k in extra),
+                 len(members)]
+        for t in tasks:
+            accs = [100 * m[f"fewshot_acc_{t}"] for m in members if f"fewshot_acc_{t}" in m]
+            errs = [100 * m[f"fewshot_acc_stderr_{t}"] for m in members if f"fewshot_acc_stderr_{t}" in m]
+            cells.append(f"{_mean_std(accs, '.1f')} [{statistics.fmean(errs):.1f}]" if accs else "")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def hparams_table(runs: list[Run]) -> str:
     """The hyperparameters each method actually ran with, read from the runs' summaries."""
     lines = ["| method | lr | settings |", "|---|---:|---|"]
@@ -750,6 +777,9 @@ def write_report(
     times = step_time_table(runs)
     if times:
         parts.append(times)
+    fewshot = fewshot_table(runs)
+    if fewshot:
+        parts.append(fewshot)
     parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
     plot_metric_vs_time(runs, out / "metric_vs_time.png")

@@ -172,3 +172,17 @@ def test_tables_show_the_test_headline_and_curves_the_validation_metric(tmp_path
     assert "test accuracy (%) and test loss (nats) on the test split" in intro
     assert "validation accuracy (%) and validation loss (nats) on the validation split" in intro
     assert "Splits (train / validation / test): 1,077 / 270 / 450 images, stratified, seed 0." in intro
+
+
+def test_the_few_shot_table_gives_mean_std_over_seeds_lm_evals_stderr_and_chance(tmp_path):
+    for seed, (acc, err) in enumerate([(0.30, 0.02), (0.40, 0.04)]):
+        write_run(tmp_path, method="dlion", seed=seed, task="shakespeare", fewshot_acc_nextline=acc,
+                  fewshot_acc_stderr_nextline=err, fewshot_acc_norm_nextline=0.5, fewshot_chance_nextline=0.25)
+    write_run(tmp_path, method="lion", task="shakespeare", fewshot_acc_nextline=0.26,
+              fewshot_acc_stderr_nextline=0.03, fewshot_chance_nextline=0.25)
+    table = report.fewshot_table(report.load_runs(tmp_path))
+    assert "chance: nextline 25%" in table
+    assert "| D-Lion (Avg) | 2 | 16 | 2 | 35.0 ± 7.1 [3.0] |" in table  # stdev of 30, 40 = 7.07
+    assert "| G-Lion | 2 | 16 | 1 | 26.0 [3.0] |" in table
+    write_run(tmp_path / "none", task="shakespeare")
+    assert report.fewshot_table(report.load_runs(tmp_path / "none")) == ""
