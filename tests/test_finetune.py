@@ -100,3 +100,24 @@ def test_the_pretraining_corpus_leaves_out_exactly_the_shakespeare_plays(make_cf
     assert kept_test == [t for t, whole in zip(test, train, strict=True) if "Shakespeare" not in whole[:100]]
     with pytest.raises(ValueError, match=r"task.exclude_documents=\[13\] needs .* indices below 13"):
         _exclude(train, test, [13])
+
+
+@needs_data
+def test_the_few_shot_command_scores_a_saved_model_and_its_untrained_twin(make_cfg, tmp_path):
+    import subprocess
+    import sys
+
+    cfg = make_cfg("task=shakespeare", *TINY_LLAMA, "task.max_chars=20000", "task.vocab_size=300",
+                   "task.block_size=64")
+    task = build_task(cfg.task, cfg.model)
+    task.save_model(task.build_model(), tmp_path / "saved")
+    scores = {}
+    for untrained in (False, True):
+        out = tmp_path / f"{untrained}.json"
+        subprocess.run([sys.executable, "-m", "distlion.tasks.fewshot", str(tmp_path / "saved"), "--task",
+                        "shakespeare", "--tasks", "nextline", "--limit", "8", "--out", str(out),
+                        *(["--untrained", "--seed", "1"] if untrained else [])], check=True, capture_output=True)
+        scores[untrained] = json.loads(out.read_text())
+    for result in scores.values():
+        assert result["fewshot_acc_nextline"] in {k / 8 for k in range(9)} and result["fewshot_chance_nextline"] == 0.25
+    assert scores[True]["untrained"] and not scores[False]["untrained"]

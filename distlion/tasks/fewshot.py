@@ -154,3 +154,45 @@ def evaluate_fewshot(model: nn.Module, tokenizer: Any, tasks: list[str], test_te
     finally:
         model.train(was_training)
     return out
+
+
+def main() -> None:
+    """`python -m distlion.tasks.fewshot <model folder>`: the few-shot scores of a saved model (or, with
+    `--untrained`, of a freshly initialised model of the same architecture: the chance baseline) on a task's test
+    text, as JSON; e.g. the pretrained model before any finetune."""
+    import argparse
+
+    from hydra import compose, initialize_config_dir
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distlion.tasks import TASK_CONFIGS, build_task
+    from distlion.tasks.lm import load_llama
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("model", help="a folder written by save_pretrained (train.save_model=true: <run dir>/model)")
+    parser.add_argument("--task", default="shakespeare_finetune", help="whose test text the local tasks are built from")
+    parser.add_argument("--tasks", nargs="+", default=list(LOCAL_TASKS))
+    parser.add_argument("--num-fewshot", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--untrained", action="store_true", help="a random init of the model's architecture")
+    parser.add_argument("--seed", type=int, default=0, help="of the random init")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+    with initialize_config_dir(config_dir=str(TASK_CONFIGS.parent), version_base="1.3"):
+        cfg = compose("config", overrides=[f"task={args.task}", "model=llama_pretrained",
+                                           f"model.pretrained={Path(args.model).resolve()}"])
+    task = build_task(cfg.task, cfg.model)
+    model = load_llama(args.model)
+    if args.untrained:
+        torch.manual_seed(args.seed)
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(args.model))
+    scores = task.fewshot(model, args.tasks, args.num_fewshot, args.limit)
+    text = json.dumps({"model": str(args.model), "untrained": args.untrained, "task": args.task,
+                       "num_fewshot": args.num_fewshot, "limit": args.limit, **scores}, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
