@@ -11,7 +11,7 @@ import distlion.tasks.data as data_module
 from distlion.config import ConfigError
 from distlion.tasks import build_task
 from distlion.tasks.data import data_root
-from distlion.tasks.fewshot import CHOICES, POOL, lastword_docs, local_task_config, nextline_docs
+from distlion.tasks.fewshot import CHOICES, PAPER_TASKS, POOL, lastword_docs, local_task_config, nextline_docs
 from distlion.train import run
 
 SHAKESPEARE = "text/tinyshakespeare"
@@ -92,3 +92,9 @@ def test_an_unknown_or_unavailable_task_is_one_clear_error(make_cfg, monkeypatch
         task.fewshot(model, ["no_such_task"], 0)
     with pytest.raises(FileNotFoundError, match="few-shot task arc_easy: its data set could not be loaded"):
         task.fewshot(model, ["arc_easy"], 0, limit=2)
+
+
+def test_the_papers_tasks_are_lm_eval_task_names():
+    from lm_eval.tasks import TaskManager
+
+    assert set(PAPER_TASKS) <= set(TaskManager().all_tasks)

@@ -1,8 +1,8 @@
 """Few-shot evaluation of a language model through lm-evaluation-harness (`lm_eval.simple_evaluate` with its
 `HFLM` wrapping the model and tokenizer in memory), as the paper's third table evaluates its finetunes.
 
-`eval.tasks` names lm-eval tasks (the paper's: arc_easy, arc_challenge, boolq, piqa, siqa, hellaswag,
-openbookqa; their data from the Hugging Face cache, or the hub when online) or this repository's local ones,
+`eval.tasks` names lm-eval tasks (the paper's, `PAPER_TASKS`: its SIQA is lm-eval's social_iqa; their data from
+the Hugging Face cache, or the hub when online) or this repository's local ones,
 which need no download: lm-eval task YAML files in `fewshot/` whose documents are built here, deterministically,
 from the run's **test** text (held out from every training split; for Tiny Shakespeare the data's own
 validation file):
@@ -33,6 +33,8 @@ from distlion.tasks.data import atomic_write_text, cache_dir
 from distlion.tasks.tokenizer import text_digest
 
 TASK_FILES = Path(__file__).resolve().parent / "fewshot"
+#: The paper's 3-shot tasks by their lm-eval names: eval.tasks=[arc_easy,arc_challenge,boolq,piqa,social_iqa,...]
+PAPER_TASKS = ("arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag", "openbookqa")
 CHOICES = 4
 POOL = 32  # passages kept for few-shot examples, never scored
 
