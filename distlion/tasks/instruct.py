@@ -100,13 +100,14 @@ class InstructionTask(Task):
         self.eval_batch_size = eval_batch_size
         if not 0 < val_fraction < 1:
             raise ValueError(f"task.val_fraction={val_fraction} must be between 0 and 1")
+        pretrained = (model or {}).get("pretrained")
+        source = pretrained_source(pretrained) if pretrained else None  # checked before the data is read
         train, test = load_records(data, test_fraction)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(split_seed)).tolist()
         num_val = max(1, int(len(train) * val_fraction))
         val = [train[i] for i in sorted(order[:num_val])]
         train = [train[i] for i in sorted(order[num_val:])]
-        pretrained = (model or {}).get("pretrained")
-        self.tokenizer = (PretrainedTokenizer(pretrained_source(pretrained)) if pretrained else build_tokenizer(
+        self.tokenizer = (PretrainedTokenizer(source) if source else build_tokenizer(
             tokenizer, vocab_size, [format_prompt(r) + r["output"] for r in train]))
         self.examples = {}
         self.dropped = {}

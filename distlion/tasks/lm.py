@@ -121,15 +121,16 @@ class LanguageModelTask(Task):
         self.eval_batch_size = eval_batch_size
         self.val_examples = val_examples
         self.val_fraction = val_fraction
+        pretrained = (model or {}).get("pretrained")
+        source = pretrained_source(pretrained) if pretrained else None  # checked before the data is read
         train_texts, test_texts = load_texts(data, test_fraction)
         if exclude_documents:
             train_texts, test_texts = _exclude(train_texts, test_texts, list(exclude_documents))
         if max_chars is not None:
             train_texts, test_texts = _truncate(train_texts, max_chars), _truncate(test_texts, max_chars)
         train_texts, val_texts = carve_validation(train_texts, val_fraction)
-        pretrained = (model or {}).get("pretrained")
         # A pretrained model keeps the tokenizer it was trained with; a fresh one gets its own, trained here.
-        self.tokenizer = (PretrainedTokenizer(pretrained_source(pretrained)) if pretrained
+        self.tokenizer = (PretrainedTokenizer(source) if source
                           else build_tokenizer(tokenizer, vocab_size, train_texts))
         self.train_ids = self._token_ids(train_texts)
         self.val_ids = self._token_ids(val_texts)
