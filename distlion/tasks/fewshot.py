@@ -101,7 +101,7 @@ def local_task_config(name: str, text: str) -> dict[str, Any]:
     if len(docs) < POOL + 10:
         raise ValueError(f"few-shot task {name}: the test text makes only {len(docs)} passages, fewer than "
                          f"{POOL + 10}; use a longer test split")
-    folder = cache_dir("fewshot") / f"{name}-{text_digest([text])}"
+    folder = cache_dir("fewshot") / f"{name}-{text_digest([json.dumps(docs)])}"  # named by content: never stale
     files = {}
     for split, part in (("train", docs[:POOL]), ("test", docs[POOL:])):
         files[split] = folder / f"{split}.jsonl"
@@ -148,7 +148,10 @@ def evaluate_fewshot(model: nn.Module, tokenizer: Any, tasks: list[str], test_te
                     "from the Hugging Face datasets cache (HF_DATASETS_CACHE, default ~/.cache/huggingface/datasets) "
                     "or the hub when online; fetch it on a machine with internet, or evaluate local tasks "
                     f"({', '.join(LOCAL_TASKS)})") from None
-            (scores,) = results["results"].values()
+            scores = results["results"].get(name)
+            if scores is None:
+                raise ValueError(f"few-shot task {name!r} is a group of lm-eval tasks without one score; name its "
+                                 f"tasks: {', '.join(sorted(results['results']))}")
             for metric in ("acc", "acc_norm"):
                 if f"{metric},none" in scores:
                     out[f"fewshot_{metric}_{name}"] = float(scores[f"{metric},none"])
