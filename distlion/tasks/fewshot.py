@@ -187,10 +187,11 @@ def main() -> None:
         cfg = compose("config", overrides=[f"task={args.task}", "model=llama_pretrained",
                                            f"model.pretrained={Path(args.model).resolve()}"])
     task = build_task(cfg.task, cfg.model)
-    model = load_llama(args.model)
     if args.untrained:
         torch.manual_seed(args.seed)
         model = LlamaForCausalLM(LlamaConfig.from_pretrained(args.model))
+    else:
+        model = load_llama(args.model)
     scores = task.fewshot(model, args.tasks, args.num_fewshot, args.limit)
     text = json.dumps({"model": str(args.model), "untrained": args.untrained, "task": args.task,
                        "num_fewshot": args.num_fewshot, "limit": args.limit, **scores}, indent=1)

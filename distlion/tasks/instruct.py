@@ -23,7 +23,7 @@ from torch import nn
 
 from distlion.tasks.base import Metric, Task, split_metrics
 from distlion.tasks.data import hub_id, is_hub_id, missing_data_error, resolve_path
-from distlion.tasks.lm import pretrained_source
+from distlion.tasks.lm import pretrained_of, save_pretrained
 from distlion.tasks.tokenizer import PretrainedTokenizer, build_tokenizer
 
 HOW = ("a .json / .jsonl / .parquet file of records with instruction, input and output fields (the Alpaca schema), "
@@ -100,8 +100,7 @@ class InstructionTask(Task):
         self.eval_batch_size = eval_batch_size
         if not 0 < val_fraction < 1:
             raise ValueError(f"task.val_fraction={val_fraction} must be between 0 and 1")
-        pretrained = (model or {}).get("pretrained")
-        source = pretrained_source(pretrained) if pretrained else None  # checked before the data is read
+        source = pretrained_of(model)
         train, test = load_records(data, test_fraction)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(split_seed)).tolist()
         num_val = max(1, int(len(train) * val_fraction))
@@ -173,5 +172,4 @@ class InstructionTask(Task):
         return {"loss": loss, "perplexity": math.exp(loss)}
 
     def save_model(self, model: nn.Module, path: Path) -> None:
-        model.save_pretrained(path)
-        self.tokenizer.to_hf().save_pretrained(path)
+        save_pretrained(model, self.tokenizer, path)

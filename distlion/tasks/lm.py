@@ -66,6 +66,22 @@ def pretrained_source(spec: str) -> str:
     return str(path)
 
 
+def pretrained_of(model_cfg: Any) -> str | None:
+    """`model.pretrained` as `from_pretrained` takes it (`pretrained_source`), None for a fresh model: read before a
+    task loads its data, so that a wrong folder is the first error."""
+    pretrained = (model_cfg or {}).get("pretrained")
+    return pretrained_source(pretrained) if pretrained else None
+
+
+def save_pretrained(model: nn.Module, tokenizer: Any, path: Path) -> None:
+    """The model and its tokenizer with `save_pretrained`: what `model.pretrained=<path>` loads."""
+    if not hasattr(tokenizer, "to_hf"):
+        raise ValueError(f"train.save_model needs a tokenizer transformers can load; task.tokenizer={tokenizer.kind} "
+                         "has none: use task.tokenizer=bpe")
+    model.save_pretrained(path)
+    tokenizer.to_hf().save_pretrained(path)
+
+
 def load_llama(pretrained: str, vocab_size: int | None = None) -> nn.Module:
     """A pretrained `LlamaForCausalLM` (see `pretrained_source`), in float32 (`train.dtype` casts it)."""
     from transformers import LlamaForCausalLM
@@ -121,8 +137,7 @@ class LanguageModelTask(Task):
         self.eval_batch_size = eval_batch_size
         self.val_examples = val_examples
         self.val_fraction = val_fraction
-        pretrained = (model or {}).get("pretrained")
-        source = pretrained_source(pretrained) if pretrained else None  # checked before the data is read
+        source = pretrained_of(model)
         train_texts, test_texts = load_texts(data, test_fraction)
         if exclude_documents:
             train_texts, test_texts = _exclude(train_texts, test_texts, list(exclude_documents))
@@ -223,12 +238,7 @@ class LanguageModelTask(Task):
                                 limit, batch_size, max_length=self.block_size)
 
     def save_model(self, model: nn.Module, path: Path) -> None:
-        """The model and its tokenizer with `save_pretrained`: what `model.pretrained=<path>` loads."""
-        if not hasattr(self.tokenizer, "to_hf"):
-            raise ValueError(f"train.save_model needs a tokenizer transformers can load; task.tokenizer="
-                             f"{self.tokenizer.kind} has none: use task.tokenizer=bpe")
-        model.save_pretrained(path)
-        self.tokenizer.to_hf().save_pretrained(path)
+        save_pretrained(model, self.tokenizer, path)
 
 
 def load_texts(spec: str, test_fraction: float) -> tuple[list[str], list[str]]:
