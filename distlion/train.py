@@ -299,7 +299,11 @@ def _restore(checkpoint: dict[str, Any], flat: FlatParams, cluster: Cluster) -> 
     return checkpoint["step"], checkpoint["wall_time"], BitsTally(**checkpoint["bits"])
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# An absolute path: Hydra reads a relative one as the module `conf` when called from the console script.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_task(cfg: DictConfig) -> float | None:
     """One run, or one point of a sweep: `distlion.cli.run_point` says what a bad setting does."""
     summary = run_point(run, cfg)

@@ -74,6 +74,11 @@ def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
     steps = per_decade * math.log10(hi / lo)
     if abs(steps - round(steps)) > 1e-6:  # else the last step would be shorter: an unequal density
         raise SpecError(f"[{lo:g}, {hi:g}] is not a whole number of grid steps of 1/{per_decade} decade")
+    # Step from the exact point lo rounds (10^(k/per_decade)), not from lo itself: a grid moved by a step off
+    # an edge then meets the trials it shares with the old one at the same values (4.64e-4 from 1e-4 or 2.15e-4).
+    k = round(per_decade * math.log10(lo))
+    if _round(10 ** (k / per_decade)) == _round(lo):
+        lo = 10 ** (k / per_decade)
     return tuple(_round(lo * 10 ** (k / per_decade)) for k in range(round(steps) + 1))
 
 

@@ -36,6 +36,14 @@ def test_log_grid_is_log_spaced_with_the_given_density():
         log_grid(1e-3, 5e-3, 2)
 
 
+def test_a_grid_moved_off_an_edge_meets_the_old_trials_at_the_same_values():
+    # 2.15e-4 * 10^(1/3) rounds to 4.63e-4; the trial run from [1e-4, 1e-3] is at 4.64e-4.
+    old, moved = log_grid(1e-4, 1e-3, 3), log_grid(2.15e-4, 2.15e-3, 3)
+    assert moved == (2.15e-4, 4.64e-4, 1e-3, 2.15e-3)
+    assert set(old) & set(moved) == {2.15e-4, 4.64e-4, 1e-3}
+    assert log_grid(3e-4, 3e-3, 3) == (3e-4, 6.46e-4, 1.39e-3, 3e-3)  # off the decade lattice: from lo
+
+
 def test_every_method_gets_the_same_density_and_lr_x_wd_pairs():
     tuning = parse_tuning(tuning_spec())
     adamw, dlion = tuning.spaces
