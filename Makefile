@@ -37,6 +37,14 @@ tune: setup  ## tune a spec with a tuning section, write conf/tuned/, then its f
 report: setup  ## rebuild a spec's tables and plots from finished runs: make report NAME=demo
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --report-only
 
+.PHONY: submitit-demo
+submitit-demo: setup  ## the SLURM path on this machine (submitit_local): a 2-rank torchdist job per method, a 4-point sweep
+	$(VENV)/bin/distlion-train -m hydra/launcher=submitit_local experiment=submitit_demo logger=none \
+		cluster=torchdist cluster.tasks_per_node=2 method=dlion,adamw
+	$(VENV)/bin/distlion-train -m hydra/launcher=submitit_local experiment=submitit_demo logger=none \
+		method=dlion,adamw seed=0,1
+	$(VENV)/bin/distlion-report runs/submitit_demo --out results/submitit_demo
+
 .PHONY: torchrun-demo
 torchrun-demo: setup  ## D-Lion MaVo on digits with 4 torchrun ranks over gloo (CPU, loopback): runs/torchrun_demo/
 	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \

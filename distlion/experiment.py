@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("--conf-dir", type=Path, default=CONF,
                         help="config folder of every run, whose tuned/ the tuning writes (default: conf/; another "
                              "folder starts as a copy of conf/)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may follow the options
     path, spec = load_spec(args.spec)
     try:
         tuning = parse_tuning(spec) if "tuning" in spec or args.tune or args.tune_only else None
@@ -225,7 +225,9 @@ def main() -> None:
     trials_dir = base_dir / "tuning"
     shown = shlex.join(["distlion-experiment", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
                         *args.overrides, *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])
-    launcher = [] if args.jobs <= 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
+    # --jobs: points at once through joblib; a launcher of the user's (hydra/launcher=submitit_slurm) decides itself.
+    own_launcher = any(o.startswith("hydra/launcher=") for o in args.overrides)
+    launcher = [] if args.jobs <= 1 or own_launcher else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
     failed_sweeps = 0
     if not args.report_only:
         signal.signal(signal.SIGTERM, _stop)

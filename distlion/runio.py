@@ -29,7 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 # task.target: what the report measures a run against, not what the run computes (a target set later
 # applies to finished runs).
 _NOT_HASHED = ("logger", "experiment", "task.name", "task.target", "train.progress", "train.log_every",
-               "train.checkpoint_every", "train.threads", "train.nonfinite")
+               "train.checkpoint_every", "train.threads", "train.nonfinite",
+               "cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")  # where ranks run, not what
 
 
 #: Longest run directory name kept as Hydra writes it: a file name holds 255 bytes, so every name a run could
@@ -73,6 +74,8 @@ def config_hash(cfg: DictConfig) -> str:
         not_hashed.append("train.save_model")
     if not config.get("eval", {}).get("tasks"):
         not_hashed.append("eval")
+    if not config.get("cluster", {}).get("faults", {}).get("k"):  # honest workers: the runs made before faults
+        not_hashed.append("cluster.faults")
     for dotted in not_hashed:
         *parents, leaf = dotted.split(".")
         node = config

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
+from distlion.cluster.jobs import Preemption, export_rank_environment
 from distlion.cluster.sampler import ShardedSampler
 from distlion.config import LINK_ENV, ConfigError, validate
 from distlion.flat import FlatParams
@@ -98,6 +99,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train one configuration into `run_dir`; returns the summary. Resumes from a checkpoint and
     skips a finished run of the same config; refuses a directory holding another config's results
     or one that another live process is writing."""
+    if cfg.cluster.backend == "torchdist":
+        export_rank_environment(cfg.cluster)  # a task of a submitit job: its rank, as torchrun would give it
     method = validate(cfg)
     with RunDir(run_dir, config_hash(cfg)).hold() as directory:
         finished = directory.finished()
@@ -135,6 +138,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     start_time = time.time() - wall_time
     last_eval: dict[str, float] = {}
     clock = StepClock()
+    preemption = Preemption()  # a submitit job's preemption notice: checkpoint at an agreed step, then requeue
     try:
         bar = tqdm(range(start_step, steps), initial=start_step, total=steps,
                    disable=not (cfg.train.progress and cluster.is_main),
@@ -176,9 +180,13 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                     logger.log(record, step + 1)
                 bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()},
                                 bits=f"{record['cum_bits_per_param']:.3g}")
-                if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0 and not is_last:
+                preempted = not is_last and preemption.agreed()
+                if preempted or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0
+                                 and not is_last):
                     directory.save_checkpoint(suffix, _checkpoint(step + 1, time.time() - start_time, bits, flat,
                                                                   cluster))
+                if preempted:
+                    preemption.requeue()
         summary = {
             "method": method.name,
             "exchange": method.exchange,

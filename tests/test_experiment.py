@@ -186,3 +186,14 @@ def test_a_spec_pretrains_once_then_finetunes_every_run_from_the_saved_model(tmp
     stamps = [p.stat().st_mtime_ns for p in summaries_now]
     run_experiment(spec, tmp_path)  # everything finished: skipped, the pretraining included
     assert [p.stat().st_mtime_ns for p in summaries_now] == stamps and len(stamps) == 3
+
+
+def test_a_spec_through_the_submitit_launcher_gives_the_same_runs(sweeps, tmp_path):
+    """`distlion-experiment spec hydra/launcher=submitit_local` (SLURM's twin): each point a job, the same runs."""
+    spec, sequential, _ = sweeps
+    run_experiment(spec, tmp_path, "hydra/launcher=submitit_local", "--jobs", "2")  # the launcher's, not joblib
+    jobs, seq = summaries(tmp_path), summaries(sequential)
+    assert jobs.keys() == seq.keys()
+    assert all(jobs[name]["params_sha256"] == seq[name]["params_sha256"] for name in seq)
+    assert (tmp_path / "results" / "tiny" / "results.md").exists()
+    assert list((tmp_path / "runs" / "tiny" / ".submitit").iterdir())  # the runs were submitit jobs

@@ -39,6 +39,11 @@ METHODS = {
     "terngrad": (["method=terngrad"], "sharded", True),
     "dgc": (["method=dgc", "method.warmup_epochs=1"], "allgather", True),
     "graddrop": (["method=graddrop"], "allgather", True),
+    # Faulty workers (distlion.comm.faults): the rewritten uplinks meet the same server on either backend.
+    "dlion_faulty": (["method=dlion", "cluster.faults.k=1", "cluster.faults.kind=random"], "sharded", True),
+    "terngrad_faulty": (["method=terngrad", "cluster.faults.k=2", "cluster.faults.kind=flip"], "sharded", True),
+    "dgc_faulty": (["method=dgc", "method.warmup_epochs=1", "cluster.faults.k=1", "cluster.faults.kind=stale"],
+                   "allgather", True),
     "adamw": (["method=adamw"], "mean", False),
     "lion": (["method=lion"], "mean", False),
 }
@@ -296,6 +301,7 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
     per plane per peer), allgather adds the shapes (8 bytes per dim per peer), mean is exact."""
     out = jobs["main"].ok()
     exchange = METHODS[name][1]
+    method = name.removesuffix("_faulty")  # a faulty worker's message has its honest message's format
     by_rank = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(RANKS)]
     layers = len(json.loads((out / "layout.json").read_text()))
     for step in range(STEPS):
@@ -303,7 +309,7 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
         assert sum(r["sent"] for r in records) == sum(r["received"] for r in records)  # conservation
         for rank, r in enumerate(records):
             up, down = r["up"], r["down"]
-            if name == "terngrad":
+            if method == "terngrad":
                 # Scalers (32 bits per layer each way) all-gathered, codes and sums sharded.
                 scalers = 32 * layers
                 pre_sent, _ = nominal_wire("allgather", [scalers] * RANKS, 0, rank)
@@ -312,7 +318,7 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
                 planes = 2 + 4  # two code planes up, ceil(log2(2N + 1)) = 4 sum planes down
             else:
                 sent, received = nominal_wire(exchange, up, down, rank)
-                planes = {"dlion": 2, "dlion_avg": 1 + 3, "dlion_zero": 2 + 2, "signum": 2}.get(name, 0)
+                planes = {"dlion": 2, "dlion_avg": 1 + 3, "dlion_zero": 2 + 2, "signum": 2}.get(method, 0)
             if exchange == "mean":
                 assert abs(r["sent"] - sent) <= 1 and abs(r["received"] - received) <= 1
             elif exchange == "allgather":

@@ -12,6 +12,7 @@ from typing import Any
 from distlion.cluster.base import Backend, BitsTally, Cluster
 from distlion.cluster.simulated import SimulatedCluster
 from distlion.cluster.torchdist import TorchDistCluster
+from distlion.comm.faults import FaultSpec
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
 
@@ -21,7 +22,8 @@ BACKENDS = ("simulated", "torchdist")
 def build_cluster(cfg: Any, method: Method, flat: FlatParams, seed: int, nonfinite: str = "error",
                   master_weights: bool = False) -> Cluster:
     """The backend named by `cluster.backend` (see `Cluster` for `nonfinite` and `master_weights`)."""
-    options = {"seed": seed, "nonfinite": nonfinite, "master_weights": master_weights}
+    options = {"seed": seed, "nonfinite": nonfinite, "master_weights": master_weights,
+               "faults": FaultSpec.from_config(cfg)}
     if cfg.backend == "simulated":
         return SimulatedCluster(method, flat, cfg.workers, **options)
     if cfg.backend == "torchdist":

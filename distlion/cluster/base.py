@@ -20,6 +20,7 @@ import torch
 from distlion.cluster.grads import WorkerGrads, worker_grads
 from distlion.comm.collectives import WireBytes
 from distlion.comm.exchange import ServerRule
+from distlion.comm.faults import Faults, FaultSpec
 from distlion.comm.message import Message
 from distlion.flat import LOW_PRECISION, FlatParams
 from distlion.methods.base import Method, StepContext
@@ -125,15 +126,18 @@ class Cluster:
     `nonfinite` is the policy for a NaN/inf gradient (see `algorithm1_step`). With `master_weights`,
     a bf16/fp16 buffer gets an fp32 master copy that the method is bound to and steps (its worker
     state is fp32 too); the model's buffer is the master rounded after every step. Without it, a
-    Lion-type update of 1e-4 on a bf16 weight near 1 is below the rounding step and lost.
+    Lion-type update of 1e-4 on a bf16 weight near 1 is below the rounding step and lost. `faults`
+    makes the last k workers faulty (`distlion.comm.faults`).
     """
 
     def __init__(self, method: Method, flat: FlatParams, backend: Backend, seed: int = 0, nonfinite: str = "error",
-                 master_weights: bool = False):
+                 master_weights: bool = False, faults: FaultSpec | None = None):
         self.flat = flat
         self.backend = backend
         self.seed = seed
         self.nonfinite = nonfinite
+        self.faults = Faults(faults or FaultSpec(), backend.num_workers, seed)
+        self.faults.check(method.name, method.exchange)
         self.buffers: dict[torch.dtype, BufferWorkers] = {}
         self.masters: dict[torch.dtype, torch.Tensor] = {}
         for dtype, buffer in flat.buffers.items():
@@ -179,7 +183,8 @@ class Cluster:
         before = self.backend.wire
         ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed)
         grads = {d: g.to(torch.float32) if d in self.masters else g for d, g in grads.items()}
-        bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite)
+        bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite,
+                               self.faults if self.faults.faulty else None)
         for dtype, master in self.masters.items():
             self.flat.buffers[dtype].copy_(master)
         if before is not None and not self.exchanges_in_backward:
@@ -201,6 +206,7 @@ class Cluster:
             "methods": {str(d): m.state_dict() for d, m in self.methods.items()},
             "worker_states": {str(d): local.states for d, local in self.buffers.items()},
             "masters": {str(d): m for d, m in self.masters.items()},
+            "faults": self.faults.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -216,3 +222,4 @@ class Cluster:
             local.states[:] = state["worker_states"][str(dtype)]
         for dtype, master in self.masters.items():
             master.copy_(state["masters"][str(dtype)])
+        self.faults.load_state_dict(state.get("faults", {}))

@@ -11,6 +11,7 @@ import torch
 
 from distlion.cluster.base import Backend, Cluster, check_workers
 from distlion.comm.exchange import InProcessExchange
+from distlion.comm.faults import FaultSpec
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
 
@@ -29,5 +30,5 @@ class SimulatedCluster(Cluster):
     """`num_workers` simulated workers on one shared parameter copy."""
 
     def __init__(self, method: Method, flat: FlatParams, num_workers: int, seed: int = 0, nonfinite: str = "error",
-                 master_weights: bool = False):
-        super().__init__(method, flat, SimulatedBackend(num_workers), seed, nonfinite, master_weights)
+                 master_weights: bool = False, faults: FaultSpec | None = None):
+        super().__init__(method, flat, SimulatedBackend(num_workers), seed, nonfinite, master_weights, faults)

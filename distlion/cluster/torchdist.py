@@ -25,6 +25,7 @@ from distlion.cluster.ddp import DDPGradients
 from distlion.cluster.grads import WorkerGrads
 from distlion.comm.collectives import Collectives, WireBytes
 from distlion.comm.exchange import CollectiveExchange
+from distlion.comm.faults import FaultSpec
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
 
@@ -109,9 +110,10 @@ class TorchDistCluster(Cluster):
         timeout_s: float = 300.0,
         nonfinite: str = "error",
         master_weights: bool = False,
+        faults: FaultSpec | None = None,
     ):
         backend = TorchDistBackend(num_workers, dist_backend, timeout_s)
-        super().__init__(method, flat, backend, seed, nonfinite, master_weights)
+        super().__init__(method, flat, backend, seed, nonfinite, master_weights, faults)
 
     def gradients(self, model: torch.nn.Module, strategy: str) -> Callable[..., WorkerGrads]:
         """A method that exchanges in backward gets its gradient through DDP and its comm hook."""

@@ -21,6 +21,7 @@ a model replica per worker binds one instance per replica and the apply runs on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ import torch
 
 from distlion.comm.collectives import WireBytes
 from distlion.comm.exchange import Exchanger
+from distlion.comm.faults import Faults
 from distlion.comm.message import Message
 from distlion.methods.base import Method, StepContext
 
@@ -135,6 +137,7 @@ def algorithm1_step(
     ctx: StepContext,
     exchanger: Exchanger,
     nonfinite: str = "error",
+    faults: Faults | None = None,
 ) -> StepBits:
     """One step of Algorithm 1 given the local workers' flat gradients ({dtype: [local, numel]}), in the
     order of `exchanger.local_workers`; returns the bits of the messages built.
@@ -144,6 +147,8 @@ def algorithm1_step(
     (under torch.distributed the other ranks then fail at their next collective); `"skip"` skips the
     step on every worker, as AMP's loss scaler does: no momentum and no parameter changes, and every
     rank agrees through one all-gather of a flag per worker.
+
+    `faults` (`distlion.comm.faults`) rewrites the step's uplinks of the faulty local workers before the exchange.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
@@ -173,10 +178,13 @@ def algorithm1_step(
         down += reply.bits
         return reply
 
-    def exchange_round(local: BufferWorkers, rules: list, how: str, worker_rule, server_rule, apply_rule) -> None:
+    def exchange_round(local: BufferWorkers, rules: list, how: str, worker_rule, server_rule, apply_rule,
+                       corrupt=None) -> None:
         """Worker rules, the exchange and the apply rules of one round (the pre-exchange's or the step's)."""
         with timer.phase("encode"):
             messages = [worker_rule(m)(*r) for m, *r in rules]
+            if corrupt is not None:
+                messages = corrupt(messages)
         reply = exchange(how, server_rule, messages)
         with timer.phase("apply"):
             for method in local.appliers:
@@ -188,6 +196,8 @@ def algorithm1_step(
         if server.pre_exchange is not None:
             exchange_round(local, rules, server.pre_exchange, lambda m: m.pre_worker_rule, server.pre_server_rule,
                            lambda m: m.pre_apply_rule)
+        corrupt = None if faults is None else functools.partial(
+            faults.corrupt, workers=exchanger.local_workers, step=ctx.step, buffer=str(dtype))
         exchange_round(local, rules, server.exchange, lambda m: m.worker_rule, server.server_rule,
-                       lambda m: m.apply_rule)
+                       lambda m: m.apply_rule, corrupt)
     return StepBits(up, down, times=timer.times)
