@@ -45,13 +45,14 @@ from matplotlib.axes import Axes  # noqa: E402
 
 # Summary keys that are settings of a run, in the order tables and legends name them; every "method.<k>"
 # comes after lr. The other keys are outcomes (metrics, bits, time) or bookkeeping (seed, hashes).
-SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "link", "global_batch", "steps", "epochs",
-            "num_params")
+SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "link", "faults_kind", "faults_k", "global_batch",
+            "steps", "epochs", "num_params")
 # The method always, workers and per-worker batch whenever they vary (the table's fixed columns). Any other
 # setting is named only when it varies and the ones before it do not fix its value: tuned lr and weight
 # decay follow from the method, steps at a fixed epoch count from the workers.
 ALWAYS_NAMED = ("label", "workers", "per_worker_batch")
 _SHOWN = {"workers": "N={}", "per_worker_batch": "batch {}/worker", "lr": "lr={:g}", "link": "link {}",
+          "faults_kind": "faults: {}", "faults_k": "k={}",
           "global_batch": "global batch {}",
           "steps": "{} steps", "epochs": "{:g} epochs", "num_params": "{:,} params"}
 LINESTYLES = ("-", "--", ":", "-.")
@@ -76,6 +77,8 @@ def load_runs(root: Path) -> list[Run]:
         run["metrics"] = (tuple(Metric(**m) for m in run["metrics"]) if "metrics" in run
                           else task_metrics(run["task"], legacy=True))
         run["task"] = task_name(run["task"])
+        run.setdefault("faults_k", 0)  # runs made before faulty workers had honest ones
+        run.setdefault("faults_kind", None)
         config = path.parent / "config.yaml"
         task_cfg = OmegaConf.load(config).get("task", {}) if config.exists() else {}
         run["data"] = task_cfg.get("data")
@@ -254,6 +257,62 @@ def pivot_table(runs: list[Run], columns: str = "workers") -> str:
         shown = [f"{_fmt(metric, _values(c, metric.key))} (n={len(c)})" if c else "—" for c in cells]
         lines.append(f"| {legend_text(keys, row)} | {' | '.join(shown)} |")
     return "\n".join(lines) + "\n"
+
+
+def _fault_rows(runs: list[Run]) -> tuple[list[str], list[int], dict[tuple[str, str], dict[int, list[Run]]]]:
+    """Runs with faulty workers by (method label, fault kind) and k; the honest runs (k = 0) of a method are the
+    k = 0 cell of each of its kinds' rows."""
+    kinds = sorted({r["faults_kind"] for r in runs if r.get("faults_k")})
+    ks = sorted({r.get("faults_k") or 0 for r in runs})
+    rows: dict[tuple[str, str], dict[int, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        for kind in ([r["faults_kind"]] if r.get("faults_k") else kinds):
+            rows[(r["label"], kind)][r.get("faults_k") or 0].append(r)
+    order = sorted(rows, key=lambda row: (label_order(row[0]), row[0], kinds.index(row[1])))
+    return kinds, ks, {row: rows[row] for row in order}
+
+
+def fault_table(runs: list[Run]) -> str:
+    """The headline metric against the number k of faulty workers: one row per method and fault kind (mean ± std
+    over seeds, n); empty without faulty workers."""
+    if not any(r.get("faults_k") for r in runs):
+        return ""
+    metric = report_metrics(runs)[0]
+    kinds, ks, rows = _fault_rows(runs)
+    workers = sorted({r["workers"] for r in runs})
+    lines = [f"{metric.display} with k of the N={'/'.join(map(str, workers))} workers faulty (the last k; "
+             "`distlion.comm.faults` says what each kind sends), mean ± std over seeds (n); k=0: honest workers:\n",
+             "| method | faults | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|---|" + "---:|" * len(ks)]
+    for (label, kind), by_k in rows.items():
+        cells = [f"{_fmt(metric, _values(by_k[k], metric.key))} (n={len(by_k[k])})" if by_k.get(k) else "—"
+                 for k in ks]
+        lines.append(f"| {label} | {kind} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_metric_vs_faults(runs: list[Run], path: Path) -> None:
+    """The final headline metric against k, one panel per fault kind, one line per method (mean ± std)."""
+    metric = report_metrics(runs)[0]
+    kinds, ks, rows = _fault_rows(runs)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(3.6 * len(kinds), 3.6), sharey=True, squeeze=False)
+    labels = sorted({label for label, _ in rows}, key=lambda x: (label_order(x), x))
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        for i, label in enumerate(labels):
+            by_k = rows.get((label, kind), {})
+            points = [(k, *spread) for k in ks if (spread := _mean_spread(metric, by_k.get(k, []))) is not None]
+            if points:
+                xs, ys, es = zip(*points)
+                ax.errorbar(xs, ys, yerr=es, capsize=3, marker=MARKERS[i % len(MARKERS)], label=label)
+        ax.set_title(kind, fontsize=10)
+        ax.set_xlabel("faulty workers k")
+        ax.set_xticks(ks)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(metric.display)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(_seeds_note(group_runs(runs), "error bars"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 @dataclass(frozen=True)
@@ -771,6 +830,9 @@ def write_report(
         parts.append(failures_list(failures))
     if columns:
         parts.append(pivot_table(runs, columns))
+    faults = fault_table(runs)
+    if faults:
+        parts.append(faults)
     parts.append(markdown_table(runs))
     if targets:
         parts.append(time_to_target_table(runs, targets))
@@ -791,6 +853,9 @@ def write_report(
     if len({r["workers"] for r in runs}) > 1:
         plot_metric_vs_workers(runs, out / "metric_vs_workers.png")
         plots.insert(1, "metric_vs_workers.png")
+    if faults:
+        plot_metric_vs_faults(runs, out / "metric_vs_faults.png")
+        plots.insert(0, "metric_vs_faults.png")
     parts += [f"![{p[:-4]}]({p})\n" for p in plots]
     parts.append("Every run: `runs.csv`; every evaluation of every run: `evals.csv`.\n")
     markdown = "\n".join(parts)

@@ -195,6 +195,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "workers": workers,
             "per_worker_batch": cfg.cluster.per_worker_batch,
             "global_batch": workers * cfg.cluster.per_worker_batch,
+            **cluster.faults.summary(),
             "link": os.environ.get(LINK_ENV),  # the rate of each rank's emulated link (distlion-netem)
             "link_measured": float(os.environ["DISTLION_LINK_MEASURED"]) if "DISTLION_LINK_MEASURED" in os.environ
             else None,  # bits/s of a TCP transfer on it before the run (its check)

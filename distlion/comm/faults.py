@@ -113,6 +113,11 @@ class Faults:
         raise ValueError(f"cluster.faults: no fault model for a message of {list(keys)}; faults cover sign bits "
                          "(D-Lion, Signum), ternary codes (TernGrad) and values (G-AdamW, G-Lion, DGC, GradDrop)")
 
+    def summary(self) -> dict[str, Any]:
+        """The run summary's record of the faults: k, and the kind (None for honest workers)."""
+        return {"faults_k": self.spec.k, "faults_kind": self.spec.kind if self.spec.k else None,
+                **({"faults_scale": self.spec.scale} if self.spec.k and self.spec.kind == "scaled" else {})}
+
     def state_dict(self) -> dict[str, Any]:
         return {"previous": {k: m.tensors for k, m in self.previous.items()}}
 
