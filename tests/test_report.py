@@ -186,3 +186,22 @@ def test_the_few_shot_table_gives_mean_std_over_seeds_lm_evals_stderr_and_chance
     assert "| G-Lion | 2 | 16 | 1 | 26.0 [3.0] |" in table
     write_run(tmp_path / "none", task="shakespeare")
     assert report.fewshot_table(report.load_runs(tmp_path / "none")) == ""
+
+
+def test_the_fault_table_puts_honest_runs_at_k0_of_every_kind_and_averages_seeds(tmp_path):
+    accuracy = {(0, None): [0.9, 0.8], (1, "flip"): [0.7, 0.5], (2, "flip"): [0.2, 0.4], (1, "scaled"): [0.85, 0.75]}
+    for (k, kind), values in accuracy.items():
+        for seed, value in enumerate(values):
+            summary = write_run(tmp_path / f"{k}-{kind}", method="dlion", workers=8, seed=seed, test_accuracy=value)
+            path = tmp_path / f"{k}-{kind}" / f"dlion-8-16-0.001-{seed}" / "summary.json"
+            path.write_text(json.dumps(summary | {"faults_k": k, "faults_kind": kind}))
+    write_run(tmp_path / "old", method="lion", workers=8, test_accuracy=0.6)  # before faults: honest, k = 0
+    runs = report.load_runs(tmp_path)
+    table = report.fault_table(runs)
+    flip, scaled = table_row(table, "| D-Lion (Avg) | flip |"), table_row(table, "| D-Lion (Avg) | scaled |")
+    assert flip.split(" | ")[2:] == ["85.00 ± 7.07 (n=2)", "60.00 ± 14.14 (n=2)", "30.00 ± 14.14 (n=2) |"]
+    assert scaled.split(" | ")[2:] == ["85.00 ± 7.07 (n=2)", "80.00 ± 7.07 (n=2)", "— |"]
+    assert table_row(table, "| G-Lion | flip |").split(" | ")[2:] == ["60.00 (n=1)", "—", "— |"]
+    assert report.fault_table([r for r in runs if not r["faults_k"]]) == ""  # no faulty workers: no table
+    report.write_report(tmp_path, tmp_path / "out")
+    assert (tmp_path / "out" / "metric_vs_faults.png").exists()

@@ -158,3 +158,15 @@ def test_cli_refusing_or_skipping_a_finished_run_writes_nothing_in_its_directory
     skipped = cli("train.steps=3")
     assert skipped.returncode == 0 and "already holds this finished run; skipping it" in skipped.stderr
     assert snapshot(tmp_path) == before
+
+
+def test_the_console_script_finds_its_configs_from_any_folder(tmp_path):
+    """`distlion-train` as installed (pip's console script, not `python -m`), started outside the repository."""
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "distlion-train"
+    assert script.exists(), "install the package (make setup) to get the distlion-train console script"
+    done = subprocess.run([str(script), "method=adamw", "--cfg", "job"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "name: adamw" in done.stdout and "backend: simulated" in done.stdout
