@@ -58,7 +58,8 @@ def export_rank_environment(cluster: DictConfig) -> None:
             f"this submitit job has {job.num_tasks} tasks but cluster.nodes x cluster.tasks_per_node = {wanted}; "
             "a launcher submits every point of a sweep with one shape: sweep the shape in separate commands"
         )
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    # With GPUs, each task sees its own as cuda:0 (as torchrun jobs pin LOCAL_RANK's).
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=bool(cluster.get("gpus_per_node")))
 
 
 class Preemption:
