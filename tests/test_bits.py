@@ -85,9 +85,16 @@ def test_every_method_moves_the_bits_of_its_registry_formula(name, hparams, num_
     out = sim.step([[torch.randn(s, generator=gen) for s in LAYOUT] for _ in range(num_workers)])
     n, (up, _) = sum(math.prod(s) for s in LAYOUT), exchanges[-1]
     sent = [set(m["indices"].tolist()) if "indices" in m.tensors else set() for m in up]
+    if name == "demo":  # indices within a chunk: the coefficient's place is chunk x s + index
+        method = sim.cluster.methods[torch.float32]
+        chunk_of = torch.arange(method.num_chunks).repeat_interleave(method.topk)
+        sent = [set((chunk_of * method.chunk + m["indices"].long()).tolist()) for m in up]
+    coefficients = getattr(sim.cluster.methods[torch.float32], "num_chunks", 0) * getattr(
+        sim.cluster.methods[torch.float32], "chunk", 0)  # DeMo's padded chunks
     symbols = {"n": n, "N": num_workers, "L": len(LAYOUT), "U": len(set().union(*sent)),
                "n_dense": up[0]["dense"].numel() if "dense" in up[0].tensors else 0,
-               "z": int(hparams.get("zero_sign") == "zero")}
+               "z": int(hparams.get("zero_sign") == "zero"),
+               "n_coef": coefficients}
     info = METHODS[name]
     for i, bits in enumerate(out.bits_up):
         expected, _ = info.bits(**symbols, k=len(sent[i]))

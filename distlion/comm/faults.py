@@ -7,7 +7,8 @@ faulty workers are the last k (workers N-k .. N-1); k = 0 changes nothing, not e
 
 What each kind sends, by the format of the message (the method's own payload):
 
-  kind     sign bits (D-Lion, Signum)       ternary codes (TernGrad)       values (G-AdamW, G-Lion, DGC, GradDrop)
+  kind     sign bits (D-Lion, Signum)       ternary codes (TernGrad)       values (G-AdamW, G-Lion, DGC, GradDrop,
+                                                                           DeMo)
   flip     every sign negated               every code negated             -values
   random   uniform random signs             random signs where nonzero     Gaussian values of the message's RMS
   scaled   unchanged: a bit has no size     unchanged: codes are bounded   values x `scale`
@@ -107,11 +108,11 @@ class Faults:
             return Message({"codes": _ternary_codes(t["codes"], kind, generator)})
         if keys == DENSE:
             return Message({"grad": _values(t["grad"], kind, self.spec.scale, generator)})
-        if keys == tuple(sorted(SPARSE)):
-            return Message({"values": _values(t["values"], kind, self.spec.scale, generator), "indices": t["indices"],
-                            "dense": _values(t["dense"], kind, self.spec.scale, generator)})
+        if keys in (tuple(sorted(SPARSE)), ("indices", "values")):  # DGC, GradDrop; DeMo (no dense part)
+            return Message({k: v if k == "indices" else _values(v, kind, self.spec.scale, generator)
+                            for k, v in t.items()})
         raise ValueError(f"cluster.faults: no fault model for a message of {list(keys)}; faults cover sign bits "
-                         "(D-Lion, Signum), ternary codes (TernGrad) and values (G-AdamW, G-Lion, DGC, GradDrop)")
+                         "(D-Lion, Signum), ternary codes (TernGrad) and values (G-AdamW, G-Lion, DGC, GradDrop, DeMo)")
 
     def summary(self) -> dict[str, Any]:
         """The run summary's record of the faults: k, and the kind (None for honest workers)."""
