@@ -45,14 +45,14 @@ from matplotlib.axes import Axes  # noqa: E402
 
 # Summary keys that are settings of a run, in the order tables and legends name them; every "method.<k>"
 # comes after lr. The other keys are outcomes (metrics, bits, time) or bookkeeping (seed, hashes).
-SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "link", "faults_kind", "faults_k", "global_batch",
-            "steps", "epochs", "num_params")
+SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "link", "shards", "shard_alpha", "faults_kind",
+            "faults_k", "global_batch", "steps", "epochs", "num_params")
 # The method always, workers and per-worker batch whenever they vary (the table's fixed columns). Any other
 # setting is named only when it varies and the ones before it do not fix its value: tuned lr and weight
 # decay follow from the method, steps at a fixed epoch count from the workers.
 ALWAYS_NAMED = ("label", "workers", "per_worker_batch")
 _SHOWN = {"workers": "N={}", "per_worker_batch": "batch {}/worker", "lr": "lr={:g}", "link": "link {}",
-          "faults_kind": "faults: {}", "faults_k": "k={}",
+          "faults_kind": "faults: {}", "faults_k": "k={}", "shards": "{} shards", "shard_alpha": "alpha={:g}",
           "global_batch": "global batch {}",
           "steps": "{} steps", "epochs": "{:g} epochs", "num_params": "{:,} params"}
 LINESTYLES = ("-", "--", ":", "-.")
@@ -79,6 +79,7 @@ def load_runs(root: Path) -> list[Run]:
         run["task"] = task_name(run["task"])
         run.setdefault("faults_k", 0)  # runs made before faulty workers had honest ones
         run.setdefault("faults_kind", None)
+        run.setdefault("shards", "iid")  # and IID shards
         config = path.parent / "config.yaml"
         task_cfg = OmegaConf.load(config).get("task", {}) if config.exists() else {}
         run["data"] = task_cfg.get("data")

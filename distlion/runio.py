@@ -76,6 +76,8 @@ def config_hash(cfg: DictConfig) -> str:
         not_hashed.append("eval")
     if not config.get("cluster", {}).get("faults", {}).get("k"):  # honest workers: the runs made before faults
         not_hashed.append("cluster.faults")
+    if config.get("cluster", {}).get("shards", "iid") == "iid":  # IID shards: the runs made before the setting
+        not_hashed += ["cluster.shards", "cluster.alpha"]
     for dotted in not_hashed:
         *parents, leaf = dotted.split(".")
         node = config

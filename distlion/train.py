@@ -30,13 +30,13 @@ from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
 from distlion.cluster.jobs import Preemption, export_rank_environment
-from distlion.cluster.sampler import ShardedSampler
+from distlion.cluster.sampler import ShardedSampler, build_shards, shard_record
 from distlion.config import LINK_ENV, ConfigError, validate
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import Method, variant_of
 from distlion.methods.step import PhaseTimer
-from distlion.runio import RunDir, config_hash, git_version, resolved_config
+from distlion.runio import RunDir, atomic_write_text, config_hash, git_version, resolved_config
 from distlion.schedule import LRSchedule
 from distlion.seeding import derive_seed
 from distlion.tasks import Task, build_task
@@ -63,7 +63,11 @@ def build_run(cfg: DictConfig, method: Method) -> Run:
     if cfg.train.get("save_model") and not hasattr(task, "save_model"):
         raise ConfigError(f"train.save_model=true: task {cfg.task.get('name')} cannot save its model in a form a "
                           "later run loads (LM tasks can); drop train.save_model")
-    sampler = ShardedSampler(task.num_train, cfg.cluster.workers, cfg.cluster.per_worker_batch, cfg.seed)
+    sharding, alpha = cfg.cluster.get("shards", "iid"), cfg.cluster.get("alpha", 0.1)
+    shards = build_shards(sharding, task, cfg.cluster.workers, cfg.seed, alpha, cfg.cluster.per_worker_batch)
+    sampler = ShardedSampler(task.num_train, cfg.cluster.workers, cfg.cluster.per_worker_batch, cfg.seed, shards)
+    sampler.record = shard_record(shards, sharding, alpha, getattr(task, "train_labels", lambda: None)(),
+                                  task.num_train, cfg.cluster.workers)
     steps = cfg.train.steps if cfg.train.steps is not None else math.ceil(cfg.train.epochs * sampler.steps_per_epoch)
     method.check_run(steps / sampler.steps_per_epoch)
     torch.manual_seed(cfg.seed)
@@ -129,6 +133,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         print(f"distlion: resuming {directory.path} from step {start_step}", file=sys.stderr)
     if cluster.is_main:  # only one process writes results and logs
         directory.write_config(cfg)
+        atomic_write_text(directory.path / "shards.json", json.dumps(sampler.record))
     variant = variant_of(method.name, method.hparams()).name
     tags = [f"method={variant}", f"workers={workers}", f"batch={cfg.cluster.per_worker_batch}"]
     name = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else ""
@@ -196,6 +201,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "per_worker_batch": cfg.cluster.per_worker_batch,
             "global_batch": workers * cfg.cluster.per_worker_batch,
             **cluster.faults.summary(),
+            "shards": sampler.record["kind"],
+            **({"shard_alpha": sampler.record["alpha"]} if "alpha" in sampler.record else {}),
             "link": os.environ.get(LINK_ENV),  # the rate of each rank's emulated link (distlion-netem)
             "link_measured": float(os.environ["DISTLION_LINK_MEASURED"]) if "DISTLION_LINK_MEASURED" in os.environ
             else None,  # bits/s of a TCP transfer on it before the run (its check)

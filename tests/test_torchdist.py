@@ -45,6 +45,7 @@ METHODS = {
     "terngrad_faulty": (["method=terngrad", "cluster.faults.k=2", "cluster.faults.kind=flip"], "sharded", True),
     "dgc_faulty": (["method=dgc", "method.warmup_epochs=1", "cluster.faults.k=1", "cluster.faults.kind=stale"],
                    "allgather", True),
+    "dlion_dirichlet": (["method=dlion", "cluster.shards=dirichlet", "cluster.alpha=0.5"], "sharded", True),
     "adamw": (["method=adamw"], "mean", False),
     "lion": (["method=lion"], "mean", False),
 }
@@ -302,7 +303,7 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
     per plane per peer), allgather adds the shapes (8 bytes per dim per peer), mean is exact."""
     out = jobs["main"].ok()
     exchange = METHODS[name][1]
-    method = name.removesuffix("_faulty")  # a faulty worker's message has its honest message's format
+    method = name.removesuffix("_faulty").removesuffix("_dirichlet")  # the honest method's message format
     by_rank = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(RANKS)]
     layers = len(json.loads((out / "layout.json").read_text()))
     for step in range(STEPS):

@@ -202,6 +202,10 @@ class ClassificationTask(Task):
     def num_train(self) -> int:
         return len(self.train_y)
 
+    def train_labels(self) -> torch.Tensor:
+        """The training examples' labels (what cluster.shards=dirichlet splits by)."""
+        return self.train_y
+
     @property
     def splits(self) -> dict[str, Any]:
         return {"train": len(self.train_y), "validation": len(self.val_y), "test": len(self.test_y),

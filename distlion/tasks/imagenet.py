@@ -73,6 +73,7 @@ class ImageNetTask(Task):
         pool, self.num_classes, labels = _image_source(data, train_split)
         self.train_index, self.val_index = stratified_split(labels, val_size, split_seed)
         self.train_set = torch.utils.data.Subset(pool, self.train_index.tolist())
+        self._train_labels = torch.as_tensor(labels)[self.train_index]
         self.val_set = torch.utils.data.Subset(pool, self.val_index.tolist())
         self.test_set, _, _ = _image_source(data, test_split)
         self.train_transform = create_transform(image_size, is_training=True, auto_augment=auto_augment,
@@ -88,6 +89,10 @@ class ImageNetTask(Task):
     @property
     def num_train(self) -> int:
         return len(self.train_set)
+
+    def train_labels(self) -> torch.Tensor:
+        """The training images' labels (what cluster.shards=dirichlet splits by)."""
+        return self._train_labels
 
     @property
     def splits(self) -> dict[str, Any]:

@@ -168,6 +168,12 @@ class LanguageModelTask(Task):
     def num_train(self) -> int:
         return self._num_train
 
+    def train_sources(self) -> torch.Tensor:
+        """The document each training block starts in (what cluster.shards=by_source splits by)."""
+        document = torch.cumsum((self.train_ids == self.tokenizer.eot_id).long(), 0) - (
+            self.train_ids == self.tokenizer.eot_id).long()  # an end-of-text token closes its own document
+        return document[torch.arange(self._num_train) * self.block_size]
+
     @property
     def splits(self) -> dict[str, Any]:
         return {"train": self._num_train, **self._num_blocks, "unit": f"blocks of {self.block_size} tokens",
