@@ -73,6 +73,7 @@ class Simulation:
         grads = torch.stack([torch.cat([g.reshape(-1) for g in per_worker]) for per_worker in worker_grads])
         lr = self.method.lr if lr is None else lr
         bits = self.cluster.step({dtype: grads}, step=self.num_steps, lr=lr, epoch=epoch)
+        self.cluster.finish()  # local-update methods: `params` are the ones that count (e.g. the workers' mean)
         self.num_steps += 1
         return StepResult(self.params, self.cluster.worker_states[dtype], bits.up, bits.down, bits.skipped)
 

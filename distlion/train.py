@@ -169,14 +169,20 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                           **bits.add(step_bits)}
                 is_last = step + 1 == steps
                 evaluate = (step + 1) % eval_every == 0 or is_last
-                if evaluate and cluster.is_main:
-                    # During training validation only (cheap: `val_examples` of it); the test split once, at the end.
-                    last_eval = (final_evaluation(task, model) if is_last and cfg.train.test_eval
-                                 else task.evaluate(model, "validation", None if is_last else task.val_examples))
-                    if is_last and cfg.train.test_eval and cfg.get("eval") and cfg.eval.tasks:
-                        last_eval |= task.fewshot(model, list(cfg.eval.tasks), cfg.eval.num_fewshot, cfg.eval.limit,
-                                                  cfg.eval.batch_size)
-                    record.update(last_eval)
+                if is_last:
+                    cluster.finish()  # with replicas: the model keeps the parameters that count
+                if evaluate:
+                    with cluster.counted_params():  # every process: with replicas, the model that counts
+                        if cluster.is_main:
+                            # During training validation only (cheap: `val_examples` of it); the test split once,
+                            # at the end.
+                            last_eval = (final_evaluation(task, model) if is_last and cfg.train.test_eval
+                                         else task.evaluate(model, "validation",
+                                                            None if is_last else task.val_examples))
+                            if is_last and cfg.train.test_eval and cfg.get("eval") and cfg.eval.tasks:
+                                last_eval |= task.fewshot(model, list(cfg.eval.tasks), cfg.eval.num_fewshot,
+                                                          cfg.eval.limit, cfg.eval.batch_size)
+                            record.update(last_eval)
                 if evaluate or (step + 1) % cfg.train.log_every == 0:
                     record.update(clock.means())
                     record["wall_time"] = time.time() - start_time
@@ -217,6 +223,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "metrics": [dataclasses.asdict(m) for m in task.metrics],
             "splits": task.splits,
             **bits.summary(steps),
+            # Methods that sync every H steps: their bits per sync too (the per-iteration mean is the paper's axis).
+            **({"bits_per_param_per_sync": bits.cum_bits_per_param / (steps // method.sync_every)}
+               if getattr(method, "sync_every", None) and steps >= method.sync_every else {}),
             "wall_time": time.time() - start_time,
             "params_sha256": params_digest(flat),
             "config_hash": directory.config_hash,

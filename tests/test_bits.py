@@ -65,7 +65,10 @@ SIMULATED = runnable_by("simulated")
 
 
 # The default of every method, and D-Lion's ternary messages (zero_sign="zero": z = 1 in the formulas).
-CASES = [(name, {}) for name in SIMULATED] + [(name, {"zero_sign": "zero"}) for name in ("dlion", "dlion_avg")]
+# Local-update methods sync every step here (H = 1): their per-iteration formula is a mean over H steps, and a
+# step between syncs sends nothing (tests/test_local.py).
+CASES = ([(name, {"sync_every": 1} if METHODS[name].family == "local" else {}) for name in SIMULATED]
+         + [(name, {"zero_sign": "zero"}) for name in ("dlion", "dlion_avg")])
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 8])
@@ -94,7 +97,7 @@ def test_every_method_moves_the_bits_of_its_registry_formula(name, hparams, num_
     symbols = {"n": n, "N": num_workers, "L": len(LAYOUT), "U": len(set().union(*sent)),
                "n_dense": up[0]["dense"].numel() if "dense" in up[0].tensors else 0,
                "z": int(hparams.get("zero_sign") == "zero"),
-               "n_coef": coefficients}
+               "n_coef": coefficients, "H": hparams.get("sync_every", 1)}
     info = METHODS[name]
     for i, bits in enumerate(out.bits_up):
         expected, _ = info.bits(**symbols, k=len(sent[i]))

@@ -40,6 +40,10 @@ METHODS = {
     "dgc": (["method=dgc", "method.warmup_epochs=1"], "allgather", True),
     "graddrop": (["method=graddrop"], "allgather", True),
     "demo": (["method=demo", "method.chunk=16", "method.topk=2"], "allgather", True),
+    # Local updates: each rank steps its own parameters, a sync every 3 / 4 steps (the last step is not one).
+    "localsgd": (["method=localsgd", "method.sync_every=3"], "allgather", True),
+    "diloco": (["method=diloco", "method.sync_every=4"], "allgather", True),
+    "diloco_sign": (["method=diloco_sign", "method.sync_every=3"], "allgather", True),
     # Faulty workers (distlion.comm.faults): the rewritten uplinks meet the same server on either backend.
     "dlion_faulty": (["method=dlion", "cluster.faults.k=1", "cluster.faults.kind=random"], "sharded", True),
     "terngrad_faulty": (["method=terngrad", "cluster.faults.k=2", "cluster.faults.kind=flip"], "sharded", True),
@@ -324,8 +328,9 @@ def test_wire_bytes_agree_with_the_payload_bits(jobs, name):
             if exchange == "mean":
                 assert abs(r["sent"] - sent) <= 1 and abs(r["received"] - received) <= 1
             elif exchange == "allgather":
-                tensors = 2 if method == "demo" else 3  # values, indices (, dense): one dim each
-                shapes = (RANKS - 1) * 8 * tensors
+                # one dim per tensor: values, indices (, dense); a local method's one tensor, at syncs only
+                tensors = {"demo": 2, "localsgd": 1, "diloco": 1, "diloco_sign": 1}.get(method, 3)
+                shapes = (RANKS - 1) * 8 * tensors if up[rank] else 0
                 assert r["sent"] - sent == shapes and r["received"] - received == shapes
             else:
                 padding = 8 * (RANKS - 1) * planes

@@ -9,9 +9,11 @@ which process writes results, and the name of this process's checkpoint file.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +84,28 @@ class BitsTally:
         return out
 
 
+class ReplicaGradients:
+    """Each local worker's gradient at its own replica: the replica copied into the model, then that worker's rows
+    through the configured strategy as a cluster of one (what a rank computes under torch.distributed)."""
+
+    def __init__(self, compute: Callable[..., WorkerGrads], replicas: dict[torch.dtype, torch.Tensor]):
+        self.compute = compute
+        self.replicas = replicas
+
+    def __call__(self, model: torch.nn.Module, flat: FlatParams, per_example_loss: Callable, inputs: torch.Tensor,
+                 targets: torch.Tensor, num_workers: int) -> WorkerGrads:
+        grads = {d: torch.empty(num_workers, b.numel(), dtype=d, device=b.device) for d, b in flat.buffers.items()}
+        losses = torch.empty(num_workers)
+        for i, (x, y) in enumerate(zip(inputs.chunk(num_workers), targets.chunk(num_workers), strict=True)):
+            for dtype, replicas in self.replicas.items():
+                flat.buffers[dtype].copy_(replicas[i])
+            worker, loss = self.compute(model, flat, per_example_loss, x, y, 1)
+            for dtype, g in worker.items():
+                grads[dtype][i] = g[0]
+            losses[i] = loss[0]
+        return grads, losses
+
+
 def check_workers(num_workers: Any) -> int:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"cluster.workers={num_workers!r} must be >= 1, a whole number of workers")
@@ -118,6 +142,11 @@ class Backend(ABC):
         """The step every process resumes at, given the step of this process's checkpoint: the earliest."""
         return step
 
+    def gather_uncounted(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's `tensor` in worker order, outside the counted traffic (to evaluate a model made of the
+        workers' replicas); in one process, the tensor itself."""
+        return [tensor]
+
 
 class Cluster:
     """A method bound to each flat buffer (one per dtype) of the model, run by a backend.
@@ -140,6 +169,11 @@ class Cluster:
         self.faults.check(method.name, method.exchange)
         self.buffers: dict[torch.dtype, BufferWorkers] = {}
         self.masters: dict[torch.dtype, torch.Tensor] = {}
+        # A method with replicas (local updates) run by several workers in this process: a parameter copy each,
+        # [local, numel] per buffer. One worker per process steps the model's own buffer.
+        self.replicas: dict[torch.dtype, torch.Tensor] = {}
+        if method.replicas and master_weights and any(d in LOW_PRECISION for d in flat.buffers):
+            raise ValueError(f"method={method.name} keeps a replica per worker; run it in fp32 (train.dtype=float32)")
         for dtype, buffer in flat.buffers.items():
             if dtype in LOW_PRECISION and master_weights:
                 buffer = self.masters.setdefault(dtype, buffer.to(torch.float32))
@@ -147,9 +181,14 @@ class Cluster:
                 warnings.warn(f"{dtype} parameters lose updates below their rounding step (an lr of 1e-4 on a "
                               "weight near 1 in bf16 is lost every step); keep fp32 master weights "
                               "(train.master_weights=true)", stacklevel=2)
-            bound = copy.deepcopy(method).bind(buffer, backend.num_workers, flat.layouts[dtype])
             local = backend.local_workers
-            self.buffers[dtype] = BufferWorkers([bound] * len(local), [bound.init_worker_state() for _ in local])
+            if method.replicas and len(local) > 1:
+                copies = self.replicas[dtype] = buffer.detach().unsqueeze(0).repeat(len(local), 1)
+                bound = [copy.deepcopy(method).bind(row, backend.num_workers, flat.layouts[dtype]) for row in copies]
+                self.buffers[dtype] = BufferWorkers(bound, [m.init_worker_state() for m in bound])
+                continue
+            shared = copy.deepcopy(method).bind(buffer, backend.num_workers, flat.layouts[dtype])
+            self.buffers[dtype] = BufferWorkers([shared] * len(local), [shared.init_worker_state() for _ in local])
 
     @property
     def num_workers(self) -> int:
@@ -195,8 +234,76 @@ class Cluster:
         return self.backend.mean_loss(losses)
 
     def gradients(self, model: torch.nn.Module, strategy: str) -> Callable[..., WorkerGrads]:
-        """The function that computes the local workers' gradients (`distlion.cluster.grads`)."""
+        """The function that computes the local workers' gradients (`distlion.cluster.grads`); with replicas, each
+        worker's at its own parameters."""
+        if self.replicas:
+            return ReplicaGradients(worker_grads(strategy), self.replicas)
         return worker_grads(strategy)
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether the workers' parameters differ between exchanges (a local-update method)."""
+        return any(m.replicas for m in self.methods.values())
+
+    def counted(self) -> dict[torch.dtype, torch.Tensor]:
+        """The parameters that count, per buffer (`Method.counted_params`): for a method with replicas, the ones
+        evaluated and saved (LocalSGD: the workers' mean; DiLoCo: the global parameters); else the model's."""
+        if not self.has_replicas:
+            return dict(self.flat.buffers)
+        return {dtype: local.methods[0].counted_params(functools.partial(self._all_replicas, dtype))
+                for dtype, local in self.buffers.items()}
+
+    def _all_replicas(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype in self.replicas:
+            return list(self.replicas[dtype])
+        return self.backend.gather_uncounted(self.flat.buffers[dtype])
+
+    @contextmanager
+    def counted_params(self) -> Iterator[None]:
+        """The model holds the parameters that count inside the block (every process enters it: with replicas
+        across processes they are gathered), its own parameters again after it."""
+        if not self.has_replicas:
+            yield
+            return
+        counted = self.counted()
+        own = {d: b.clone() for d, b in self.flat.buffers.items()}
+        for dtype, values in counted.items():
+            self.flat.buffers[dtype].copy_(values)
+        try:
+            yield
+        finally:
+            for dtype, values in own.items():
+                self.flat.buffers[dtype].copy_(values)
+
+    def finish(self) -> None:
+        """The model takes the parameters that count and keeps them: at the end of a run (what is digested and
+        saved), or after each step driven with explicit gradients (`distlion.Simulation`)."""
+        if self.has_replicas:
+            for dtype, values in self.counted().items():
+                self.flat.buffers[dtype].copy_(values)
+
+    def state_bytes(self) -> int:
+        """Bytes this process holds beyond the model: replicas, the workers' states and the methods' (the inner and
+        outer optimizers of local-update methods), each counted once."""
+        seen: dict[int, int] = {}
+
+        def visit(value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                seen.setdefault(id(value), value.numel() * value.element_size())
+            elif isinstance(value, dict):
+                for v in value.values():
+                    visit(v)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    visit(v)
+
+        states = [m.state_dict() for local in self.buffers.values() for m in local.appliers]  # alive while counted
+        for local in self.buffers.values():
+            visit(local.states)
+        visit(states)
+        visit(self.replicas)
+        visit(self.masters)
+        return sum(seen.values())
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated method state and the local workers' own states."""
@@ -207,6 +314,10 @@ class Cluster:
             "worker_states": {str(d): local.states for d, local in self.buffers.items()},
             "masters": {str(d): m for d, m in self.masters.items()},
             "faults": self.faults.state_dict(),
+            # Per worker in this process, when each has its own parameters and method state.
+            "replicas": {str(d): r for d, r in self.replicas.items()},
+            "replica_methods": {str(d): [m.state_dict() for m in local.appliers] for d, local in self.buffers.items()
+                                if d in self.replicas},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -217,8 +328,13 @@ class Cluster:
                 f"{self.local_workers} of {self.num_workers}; resume with the same cluster.workers and ranks"
             )
         for dtype, local in self.buffers.items():
-            for method in local.appliers:
-                method.load_state_dict(state["methods"][str(dtype)])
+            if dtype in self.replicas:
+                self.replicas[dtype].copy_(state["replicas"][str(dtype)])
+                for method, saved in zip(local.appliers, state["replica_methods"][str(dtype)], strict=True):
+                    method.load_state_dict(saved)
+            else:
+                for method in local.appliers:
+                    method.load_state_dict(state["methods"][str(dtype)])
             local.states[:] = state["worker_states"][str(dtype)]
         for dtype, master in self.masters.items():
             master.copy_(state["masters"][str(dtype)])

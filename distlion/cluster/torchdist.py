@@ -92,6 +92,10 @@ class TorchDistBackend(CollectiveExchange, Backend):
     def wire(self) -> WireBytes:
         return self.comm.wire
 
+    def gather_uncounted(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        with self.comm.uncounted():
+            return list(self.comm.all_gather(tensor))
+
     def agree_start(self, step: int) -> int:
         """Ranks killed at different moments hold checkpoints of different steps: all resume at the earliest."""
         return min(self.comm.all_gather(torch.tensor([step], dtype=torch.int64)).view(-1).tolist())

@@ -26,6 +26,8 @@ call is the identity and counts 0 bytes, so single-process code takes the same p
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +126,16 @@ class Collectives:
         if not self.distributed:
             out.copy_(tensor)
         return out
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Collectives that are not the training's traffic (gathering the workers' replicas to evaluate their
+        mean): they run, and `wire` stays as it was."""
+        wire = self.wire
+        try:
+            yield
+        finally:
+            self.wire = wire
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (same shape on all): [N, *tensor.shape], row j from rank j."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +86,10 @@ class Method(ABC):
     pre_exchange: ClassVar[str | None] = None
     # The cluster backends that can run it (`distlion.cluster.BACKENDS`).
     backends: ClassVar[tuple[str, ...]] = ("simulated", "torchdist")
+    # Whether each worker keeps parameters of its own between exchanges (local-update methods: LocalSGD,
+    # DiLoCo). Then the simulated cluster binds one instance per worker to that worker's replica, and the
+    # worker rule may step it; otherwise every worker applies the same downlink to one shared copy.
+    replicas: ClassVar[bool] = False
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
         check_lr(lr)
@@ -139,6 +144,12 @@ class Method(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+    def counted_params(self, gather_replicas: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
+        """The parameters that count (evaluated, saved, digested) for a method with replicas, given a function
+        that returns every worker's replica in worker order: by default their mean."""
+        replicas = gather_replicas()
+        return torch.stack(replicas).sum(0).div_(len(replicas))
 
     def hparams(self) -> dict[str, Any]:
         """The constructor's arguments as this instance holds them."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from distlion.methods.base import Method
 
-FAMILIES = ("global", "quantized", "sparse", "sign")
+FAMILIES = ("global", "quantized", "sparse", "sign", "local")
 FORMULA_NAMES = {"ceil": math.ceil, "log2": math.log2, "min": min, "max": max}
 
 
@@ -42,7 +42,7 @@ class MethodInfo:
     label: str
     """The paper's name, used in tables and plots."""
     family: str
-    """global (fp32 mean gradient) | quantized | sparse | sign."""
+    """global (fp32 mean gradient) | quantized | sparse | sign | local (local updates, a sync every H steps)."""
     bits_up: str
     """Worker -> server bits per parameter per step (see the module docstring for the symbols)."""
     bits_down: str

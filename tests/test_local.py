@@ -1,0 +1,135 @@
+"""Local-update methods (LocalSGD, DiLoCo) on per-worker replicas: the limits that reduce them to global SGD,
+DiLoCo's outer step by hand, the bits of a sync, and an exact resume with every worker's own parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlion import Simulation
+from distlion.runio import RunDir
+from distlion.train import run
+
+LAYOUT = [(5, 4), (4,)]
+
+
+def grads_of(workers: int, steps: int, seed: int = 0) -> list[list[list[torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[[torch.randn(s, generator=gen) for s in LAYOUT] for _ in range(workers)] for _ in range(steps)]
+
+
+def sgd_on_the_mean(params: list[torch.Tensor], steps, lr: float) -> list[torch.Tensor]:
+    x = [p.clone() for p in params]
+    for grads in steps:
+        for i, p in enumerate(x):
+            p -= lr * torch.stack([g[i] for g in grads]).mean(0)
+    return x
+
+
+@pytest.mark.parametrize("method, extra", [("localsgd", {}),
+                                           ("diloco", {"outer_lr": 1.0, "outer_momentum": 0.0})])
+def test_one_local_step_of_sgd_is_global_sgd_on_the_mean_gradient(method, extra):
+    params = [torch.randn(s, generator=torch.Generator().manual_seed(9)) for s in LAYOUT]
+    steps = grads_of(3, 4)
+    sim = Simulation(method, params, 3, lr=0.1, sync_every=1, inner="sgd", **extra)
+    for grads in steps:
+        sim.step(grads)
+    for got, want in zip(sim.params, sgd_on_the_mean(params, steps, 0.1), strict=True):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_localsgd_workers_drift_between_syncs_and_meet_at_them():
+    params = [torch.zeros(s) for s in LAYOUT]
+    sim = Simulation("localsgd", params, 2, lr=0.1, sync_every=3, inner="sgd")
+    steps = grads_of(2, 3)
+    bits = [sim.step(grads) for grads in steps]
+    replicas = sim.cluster.replicas[torch.float32]
+    assert torch.equal(replicas[0], replicas[1])  # synced at step 3
+    assert [b.bits_up for b in bits[:2]] == [[0, 0], [0, 0]] and [b.bits_down for b in bits[:2]] == [0, 0]
+    n = sum(torch.zeros(s).numel() for s in LAYOUT)
+    assert bits[2].bits_up == [32 * n, 32 * n] and bits[2].bits_down == 32 * n  # fp32 up and down at the sync
+    # between syncs each worker took its own steps: x_i = -0.1 (g_i1 + g_i2 + g_i3); the mean is what counts
+    mine = [-0.1 * sum(torch.cat([g.reshape(-1) for g in step[w]]) for step in steps) for w in range(2)]
+    assert torch.allclose(replicas[0], (mine[0] + mine[1]) / 2, atol=1e-6)
+
+
+def test_diloco_outer_nesterov_step_by_hand():
+    """Two workers, one parameter vector, inner SGD (lr 0.5), H = 2, outer SGD lr 0.7, momentum 0.9, Nesterov."""
+    x0 = torch.tensor([1.0, -2.0])
+    g = {0: [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])],
+         1: [torch.tensor([3.0, 1.0]), torch.tensor([1.0, 1.0])]}
+    sim = Simulation("diloco", [x0], 2, lr=0.5, sync_every=2, inner="sgd", outer_lr=0.7, outer_momentum=0.9)
+    for step in range(4):
+        sim.step([[g[0][step % 2]], [g[1][step % 2]]])
+    # sync 1: locals x0 - 0.5 (g_0 + g_1) per worker; outer grad d1 = mean of 0.5 (sum of its grads)
+    d1 = 0.5 * ((g[0][0] + g[0][1]) + (g[1][0] + g[1][1])) / 2
+    b1 = d1                                  # momentum buffer after the first step: the gradient itself
+    x1 = x0 - 0.7 * (d1 + 0.9 * b1)          # Nesterov: step along g + momentum * buffer
+    d2 = d1                                  # the same gradients again from x1: the same outer gradient
+    b2 = 0.9 * b1 + d2
+    x2 = x1 - 0.7 * (d2 + 0.9 * b2)
+    assert torch.allclose(sim.params[0], x2, atol=1e-6)
+
+
+@pytest.mark.parametrize("method, up", [("diloco_bf16", 16), ("diloco_sign", 1)])
+def test_compressed_outer_gradients_send_their_bits_at_a_sync(method, up):
+    n = 20 + 4
+    sim = Simulation(method, [torch.randn(s) for s in LAYOUT], 3, lr=0.1, sync_every=2)
+    steps = grads_of(3, 2)
+    first, second = (sim.step(grads) for grads in steps)
+    assert first.bits_up == [0, 0, 0]
+    padding = 8 * (-(-n // 8)) - n if up == 1 else 0
+    assert second.bits_up == [up * n + padding] * 3 and second.bits_down == up * n + padding
+
+
+def test_signed_outer_gradients_keep_their_error_feedback():
+    sim = Simulation("diloco_sign", [torch.zeros(6)], 2, lr=0.1, sync_every=1, inner="sgd", outer_lr=0.01)
+    g = torch.tensor([3.0, -1.0, 0.5, -0.5, 2.0, 0.1])
+    sim.step([[g], [g]])
+    delta = 0.1 * g                                  # what each worker's inner step moved
+    scale = delta.abs().mean()
+    for state in sim.cluster.worker_states[torch.float32]:
+        assert torch.allclose(state["residual"], delta - scale * torch.sign(delta), atol=1e-7)
+    assert torch.allclose(sim.params[0], -0.01 * torch.sign(delta) * (1 + 0.9), atol=1e-7)  # Nesterov, 1st step
+
+
+STEPS = ["train.steps=24", "train.eval_every=12", "cluster.workers=3", "train.checkpoint_every=5"]
+
+
+class Crash(Exception):
+    """The process dying right after a checkpoint."""
+
+
+@pytest.mark.parametrize("method", ["localsgd", "diloco_sign"])
+def test_a_run_with_replicas_resumes_exactly(make_cfg, tmp_path, monkeypatch, method):
+    cfg = make_cfg(f"method={method}", "method.sync_every=4", *STEPS)
+    reference = run(cfg, tmp_path / "reference")
+    save = RunDir.save_checkpoint
+
+    def save_then_crash(directory, suffix, state):
+        save(directory, suffix, state)
+        if state["step"] == 10:  # between two syncs: the workers' parameters differ
+            raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunDir, "save_checkpoint", save_then_crash)
+        with pytest.raises(Crash):
+            run(cfg, tmp_path / "crashed")
+    resumed = run(cfg, tmp_path / "crashed")
+    assert resumed["params_sha256"] == reference["params_sha256"]
+    assert resumed["val_accuracy"] == reference["val_accuracy"]
+    # 6 syncs in 24 steps: (32 up + 32 down) / 4 per iteration for LocalSGD, (1 + 1) / 4 plus padding for the vote
+    per_sync = 64 if method == "localsgd" else 2
+    assert resumed["bits_per_param_per_iter"] == pytest.approx(per_sync / 4, rel=1e-3)
+
+
+@pytest.mark.parametrize("method, per_worker", [("dlion", 4), ("localsgd", 4 + 8), ("diloco", 4 + 8 + 4 + 4),
+                                                ("diloco_sign", 4 + 8 + 4 + 4 + 4)])
+def test_what_each_worker_holds_in_bytes_per_parameter(method, per_worker):
+    """D-Lion: its momentum. LocalSGD: its replica and AdamW's two moments. DiLoCo: also the global parameters and
+    the outer momentum (each worker holds them), and with signed outer gradients the error feedback."""
+    n, workers = 1000, 3
+    sim = Simulation(method, [torch.randn(n)], workers, lr=1e-3, **({"sync_every": 2} if method != "dlion" else {}))
+    for _ in range(2):
+        sim.step([[torch.randn(n)] for _ in range(workers)])
+    assert sim.cluster.state_bytes() == pytest.approx(per_worker * n * workers, abs=16 * workers)  # + AdamW's step
