@@ -32,7 +32,16 @@ class WandbLogger:
             self.run.define_metric(section, step_metric="comm/cum_bits_per_param")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.run.log({_wandb_key(k): v for k, v in metrics.items() if v is not None})
+        import wandb
+
+        # A list is an already binned histogram of the values 0, 1/N, ..., 1 (vote_margins: |sum of signs| / N).
+        def value(v: Any) -> Any:
+            if not isinstance(v, list):
+                return v
+            n = max(1, len(v) - 1)
+            return wandb.Histogram(np_histogram=(v, [(i - 0.5) / n for i in range(len(v) + 1)]))
+
+        self.run.log({_wandb_key(k): value(v) for k, v in metrics.items() if v is not None})
 
     def finish(self) -> None:
         self.run.finish()

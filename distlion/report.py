@@ -720,6 +720,25 @@ def plot_loss_curves(runs: list[Run], path: Path) -> Axes:
     return _plot_curves(runs, path, "epoch", "train_loss", 1.0, "epoch", "train loss")
 
 
+def plot_vote_agreement(runs: list[Run], path: Path) -> Axes | None:
+    """The sign methods' vote agreement (the fraction of workers' signs equal to the voted sign) against steps; None
+    when no run logged it. Near 50% a vote is a coin flip."""
+    voting = [r for r in runs if any("vote_agreement" in p for p in r["curve"])]
+    if not voting:
+        return None
+    ax = _plot_curves(voting, path, "step", "vote_agreement", 100.0, "step", "workers' signs equal to the vote (%)")
+    return ax
+
+
+def plot_worker_drift(runs: list[Run], path: Path) -> Axes | None:
+    """The local-update methods' worker drift (mean L2 distance of the workers' parameters from their average)
+    against steps; None when no run logged it."""
+    local = [r for r in runs if any("worker_drift" in p for p in r["curve"])]
+    if not local:
+        return None
+    return _plot_curves(local, path, "step", "worker_drift", 1.0, "step", "worker drift (mean L2 from the average)")
+
+
 def _mean_spread(metric: Metric, members: list[Run]) -> tuple[float, float] | None:
     """Mean and sample std (0 for one seed) of the seeds' final `metric`; None when no seed has it (a tuning
     trial skips the test split)."""
@@ -857,6 +876,9 @@ def write_report(
     if faults:
         plot_metric_vs_faults(runs, out / "metric_vs_faults.png")
         plots.insert(0, "metric_vs_faults.png")
+    for name, plot in (("vote_agreement.png", plot_vote_agreement), ("worker_drift.png", plot_worker_drift)):
+        if plot(runs, out / name) is not None:
+            plots.append(name)
     parts += [f"![{p[:-4]}]({p})\n" for p in plots]
     parts.append("Every run: `runs.csv`; every evaluation of every run: `evals.csv`.\n")
     markdown = "\n".join(parts)

@@ -208,7 +208,7 @@ class RunDir:
                 continue
             if summary.get("config_hash") != self.config_hash:
                 continue
-            for name in ("config.yaml", "metrics.jsonl"):
+            for name in ("config.yaml", "metrics.jsonl", "shards.json"):
                 if (path.parent / name).exists():
                     atomic_write_text(self.path / name, (path.parent / name).read_text())
             summary["copied_from"] = os.path.relpath(path.parent, root.parent)  # runs/<spec>/...

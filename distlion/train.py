@@ -133,7 +133,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         print(f"distlion: resuming {directory.path} from step {start_step}", file=sys.stderr)
     if cluster.is_main:  # only one process writes results and logs
         directory.write_config(cfg)
-        atomic_write_text(directory.path / "shards.json", json.dumps(sampler.record))
+        if sampler.given is not None:  # non-IID: each shard's size and label histogram
+            atomic_write_text(directory.path / "shards.json", json.dumps(sampler.record))
     variant = variant_of(method.name, method.hparams()).name
     tags = [f"method={variant}", f"workers={workers}", f"batch={cfg.cluster.per_worker_batch}"]
     name = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else ""
@@ -162,28 +163,22 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                         f"train loss is {loss} at step {step}; lower method.lr (now {method.lr}) or check the data"
                     )
                 lr = schedule(step)
-                step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step))
+                is_last = step + 1 == steps
+                evaluate = (step + 1) % eval_every == 0 or is_last
+                logged = evaluate or (step + 1) % cfg.train.log_every == 0
+                step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step), diagnose=logged)
                 clock.add(step_times(timer.times, getattr(compute_grads, "last_times", {}), step_bits.times,
                                      time.perf_counter() - step_start))
                 record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
-                          **bits.add(step_bits)}
-                is_last = step + 1 == steps
-                evaluate = (step + 1) % eval_every == 0 or is_last
+                          **bits.add(step_bits), **cluster.diagnostics(step_bits)}
+                if evaluate:  # every process enters (with replicas the model that counts may be gathered)
+                    evaluated = evaluation(cfg, task, model, flat, cluster, is_last)
+                    if cluster.is_main:
+                        last_eval = evaluated
+                        record.update(evaluated)
                 if is_last:
                     cluster.finish()  # with replicas: the model keeps the parameters that count
-                if evaluate:
-                    with cluster.counted_params():  # every process: with replicas, the model that counts
-                        if cluster.is_main:
-                            # During training validation only (cheap: `val_examples` of it); the test split once,
-                            # at the end.
-                            last_eval = (final_evaluation(task, model) if is_last and cfg.train.test_eval
-                                         else task.evaluate(model, "validation",
-                                                            None if is_last else task.val_examples))
-                            if is_last and cfg.train.test_eval and cfg.get("eval") and cfg.eval.tasks:
-                                last_eval |= task.fewshot(model, list(cfg.eval.tasks), cfg.eval.num_fewshot,
-                                                          cfg.eval.limit, cfg.eval.batch_size)
-                            record.update(last_eval)
-                if evaluate or (step + 1) % cfg.train.log_every == 0:
+                if logged:
                     record.update(clock.means())
                     record["wall_time"] = time.time() - start_time
                     metrics_file.write(json.dumps(record) + "\n")
@@ -272,6 +267,49 @@ class StepClock:
         out = {f"time_{name}": total / self.steps for name, total in self.sums.items()} if self.steps else {}
         self.sums, self.steps = {}, 0
         return out
+
+
+def evaluation(cfg: DictConfig, task: Task, model: nn.Module, flat: FlatParams, cluster: Cluster,
+               is_last: bool) -> dict[str, float]:
+    """The model that counts, evaluated by the main process: during training the validation split only (cheap:
+    `val_examples` of it), at the end all of it and the test split once (and the few-shot tasks); with replicas
+    also their diagnostics. Every process calls it (the model that counts may be gathered from the ranks)."""
+    workers_params = cluster.worker_params() if cluster.has_replicas else None
+    out: dict[str, float] = {}
+    with cluster.counted_params():
+        if not cluster.is_main:
+            return out
+        if workers_params is not None:
+            out |= replica_diagnostics(task, model, flat, workers_params)
+        if is_last and cfg.train.test_eval:
+            out |= final_evaluation(task, model)
+            if cfg.get("eval") and cfg.eval.tasks:
+                out |= task.fewshot(model, list(cfg.eval.tasks), cfg.eval.num_fewshot, cfg.eval.limit,
+                                    cfg.eval.batch_size)
+        else:
+            out |= task.evaluate(model, "validation", None if is_last else task.val_examples)
+    return out
+
+
+def replica_diagnostics(task: Task, model: nn.Module, flat: FlatParams,
+                        workers_params: list[dict[torch.dtype, torch.Tensor]]) -> dict[str, float]:
+    """For a method with a model replica per worker: `worker_drift`, the mean L2 distance of the workers'
+    parameters from their average, and each validation metric of the workers' own models, averaged over workers
+    (`<metric>_local_mean`; on `val_examples` of the split). The model holds its parameters again afterwards."""
+    held = {d: b.clone() for d, b in flat.buffers.items()}
+    distances = torch.zeros(len(workers_params))
+    for dtype in held:
+        stacked = torch.stack([p[dtype].to(torch.float32) for p in workers_params])
+        distances += (stacked - stacked.mean(0)).square().sum(1)
+    scores: dict[str, list[float]] = {}
+    for params in workers_params:
+        for dtype, values in params.items():
+            flat.buffers[dtype].copy_(values)
+        for key, value in task.evaluate(model, "validation", task.val_examples).items():
+            scores.setdefault(f"{key}_local_mean", []).append(value)
+    for dtype, values in held.items():
+        flat.buffers[dtype].copy_(values)
+    return {"worker_drift": float(distances.sqrt().mean()), **{k: sum(v) / len(v) for k, v in scores.items()}}
 
 
 def final_evaluation(task: Task, model: nn.Module) -> dict[str, float]:

@@ -362,7 +362,7 @@ def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: st
         lines.append(f"  weight_decay: {yaml_float(wd)}")
     if kept:
         lines.append("  # kept from the file the trials ran with (not tuned here):")
-        lines += [f"  {line}" for line in yaml.safe_dump(kept, default_flow_style=None, sort_keys=False).splitlines()]
+        lines += [f"  {key}: {json.dumps(value)}" for key, value in kept.items()]  # JSON values are YAML
     return "\n".join(lines) + "\n"
 
 

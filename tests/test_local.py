@@ -133,3 +133,26 @@ def test_what_each_worker_holds_in_bytes_per_parameter(method, per_worker):
     for _ in range(2):
         sim.step([[torch.randn(n)] for _ in range(workers)])
     assert sim.cluster.state_bytes() == pytest.approx(per_worker * n * workers, abs=16 * workers)  # + AdamW's step
+
+
+def test_replica_runs_log_drift_and_the_workers_own_models(make_cfg, tmp_path):
+    """Evaluated at a sync the workers hold one model (drift 0); between syncs they drift apart, and the mean of
+    their own models' scores is logged beside the score of the model that counts (their average)."""
+    import json
+
+    run(make_cfg("method=localsgd", "method.sync_every=4", "train.steps=12", "train.eval_every=2",
+                 "cluster.workers=3", "method.lr=3e-3"), tmp_path)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "worker_drift" in line]
+    assert [e["step"] for e in evals] == [2, 4, 6, 8, 10, 12]
+    for e in evals:
+        if e["step"] % 4 == 0:
+            assert e["worker_drift"] < 1e-5
+            assert e["val_accuracy_local_mean"] == pytest.approx(e["val_accuracy"], abs=1e-9)
+        else:
+            assert e["worker_drift"] > 1e-3
+        assert 0 <= e["val_accuracy_local_mean"] <= 1
+    from distlion.report import write_report
+
+    write_report(tmp_path, tmp_path / "report")
+    assert (tmp_path / "report" / "worker_drift.png").exists()

@@ -257,10 +257,11 @@ def test_a_rewritten_tuned_file_keeps_the_settings_the_trials_ran_with(tmp_path)
         (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
     tuned = tmp_path / "tuned"
     tuned.mkdir()
-    (tuned / "digits_adamw.yaml").write_text("method:\n  lr: 5e-3\n  weight_decay: 0.1\n  betas: [0.95, 0.98]\n")
-    write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tuned)
-    written = yaml.safe_load((tuned / "digits_adamw.yaml").read_text())["method"]
-    assert written == {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.95, 0.98]}
+    for kept in ({"betas": [0.95, 0.98]}, {"warmup_epochs": 0, "optimizer": "sgd"}):  # scalars alone once broke it
+        (tuned / "digits_adamw.yaml").write_text(yaml.safe_dump({"method": {"lr": 5e-3, "weight_decay": 0.1, **kept}}))
+        write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tuned)
+        written = yaml.safe_load((tuned / "digits_adamw.yaml").read_text())["method"]
+        assert written == {"lr": 1e-3, "weight_decay": 0.1, **kept}
 
 
 def test_tune_runs_no_final_run_while_a_choice_lies_on_the_edge(tmp_path, monkeypatch, capsys):

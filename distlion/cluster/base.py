@@ -217,18 +217,42 @@ class Cluster:
         """Each local worker's state, per buffer."""
         return {dtype: local.states for dtype, local in self.buffers.items()}
 
-    def step(self, grads: dict[torch.dtype, torch.Tensor], step: int, lr: float, epoch: float = 0.0) -> StepBits:
-        """Apply one step given the local workers' flat gradients ({dtype: [local, numel]})."""
+    def step(self, grads: dict[torch.dtype, torch.Tensor], step: int, lr: float, epoch: float = 0.0,
+             diagnose: bool = False) -> StepBits:
+        """Apply one step given the local workers' flat gradients ({dtype: [local, numel]}). `diagnose`: keep what
+        was exchanged, for `diagnostics`."""
         before = self.backend.wire
         ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed)
         grads = {d: g.to(torch.float32) if d in self.masters else g for d, g in grads.items()}
         bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite,
-                               self.faults if self.faults.faulty else None)
+                               self.faults if self.faults.faulty else None, diagnose)
         for dtype, master in self.masters.items():
             self.flat.buffers[dtype].copy_(master)
         if before is not None and not self.exchanges_in_backward:
             bits.wire = self.backend.wire - before  # (DDP's hooks move bytes outside these collectives)
         return bits
+
+    def diagnostics(self, bits: StepBits) -> dict[str, Any]:
+        """What a sign method's vote says of itself at a step run with `diagnose` (`DLion.vote_diagnostics`), as the
+        metrics logged: `vote_agreement`, the fraction of the workers' signs equal to the voted sign (summed over
+        processes, outside the counted traffic), and `vote_margins`, the fraction of coordinates at each
+        |sum of signs| / N = 0, 1/N, ..., 1 where the counts are here (the Avg downlink everywhere; MaVo in one
+        process). Every process calls it at the same steps; empty for other methods."""
+        counts: dict[str, torch.Tensor] = {}
+        for dtype, (sent, reply) in bits.exchanged.items():
+            method = self.methods[dtype]
+            if hasattr(method, "vote_diagnostics"):
+                for key, value in method.vote_diagnostics(sent, reply, self.num_workers).items():
+                    counts[key] = counts[key] + value if key in counts else value
+        if not counts:
+            return {}
+        agree2, signs = (sum(self.backend.gather_uncounted(counts[k].reshape(1).to(torch.int64))).item()
+                         for k in ("agree2", "signs"))
+        out: dict[str, Any] = {"vote_agreement": agree2 / (2 * signs)}
+        if "margins" in counts:
+            margins = counts["margins"].to(torch.float64)
+            out["vote_margins"] = (margins / margins.sum()).tolist()
+        return out
 
     def mean_loss(self, losses: torch.Tensor) -> float:
         return self.backend.mean_loss(losses)
@@ -257,6 +281,12 @@ class Cluster:
         if dtype in self.replicas:
             return list(self.replicas[dtype])
         return self.backend.gather_uncounted(self.flat.buffers[dtype])
+
+    def worker_params(self) -> list[dict[torch.dtype, torch.Tensor]]:
+        """Every worker's own parameters, in worker order (every process calls it: under torchrun they are gathered,
+        outside the counted traffic). For the diagnostics of local-update methods: drift, local models."""
+        per_buffer = {dtype: self._all_replicas(dtype) for dtype in self.buffers}
+        return [{dtype: replicas[i] for dtype, replicas in per_buffer.items()} for i in range(self.num_workers)]
 
     @contextmanager
     def counted_params(self) -> Iterator[None]:

@@ -148,6 +148,35 @@ class DLion(Method):
             return Message({"vote": pack_bits(total > 0), "nonzero": pack_bits(total != 0)})
         return Message({"sums": pack_uint(total + len(messages), uint_width(2 * len(messages)))})
 
+    def vote_diagnostics(self, sent: list[Message], down: Message, num_workers: int) -> dict[str, torch.Tensor]:
+        """What a vote says about itself, from the messages this process sent and the downlink (no communication):
+
+        agree2   2 x the (worker, coordinate) pairs whose sign is the voted one (Avg: the sign of the mean; a tie
+                 counts 1 of 2), summed over the local workers; `signs` is their number. Additive over processes.
+        margins  coordinates by |sum of the N signs| = |2 (#plus) - N|, [N + 1]: the whole buffer's, where the
+                 counts are here (Avg's downlink; MaVo in one process, from all N messages), else absent.
+        Binary signs only (`zero_sign` other than "zero")."""
+        if self.zero_sign == "zero":
+            return {}
+        n = self.params.numel()
+        if self.aggregation == "avg":
+            plus = unpack_uint(down["counts"], n).long()
+        elif len(sent) == num_workers:
+            plus = torch.stack([unpack_bits(m["signs"], n) for m in sent]).sum(0)
+        else:
+            plus = None
+        if self.aggregation == "mavo":
+            voted = unpack_bits(down["vote"], n)
+            agree2 = sum(2 * int((unpack_bits(m["signs"], n) == voted).sum()) for m in sent)
+        else:
+            margin = 2 * plus - num_workers  # > 0: the mean is positive
+            agree2 = sum(int((torch.where(unpack_bits(m["signs"], n), margin, -margin).sign() + 1).sum())
+                         for m in sent)
+        out = {"agree2": torch.tensor(agree2), "signs": torch.tensor(len(sent) * n)}
+        if plus is not None:
+            out["margins"] = torch.bincount((2 * plus - num_workers).abs(), minlength=num_workers + 1)
+        return out
+
     def delta(self, down: Message, ctx: StepContext) -> torch.Tensor:
         """The downlink as Delta, the update direction every worker applies (in a scratch buffer)."""
         n, num_workers = self.params.numel(), ctx.num_workers

@@ -48,6 +48,9 @@ class StepBits:
     """The step was skipped: a worker's gradient was not finite (`nonfinite="skip"`)."""
     times: dict[str, float] = field(default_factory=dict)
     """Seconds this process spent in each phase of the step (`PHASES`)."""
+    exchanged: dict[torch.dtype, tuple[list[Message], Message]] = field(default_factory=dict)
+    """Per buffer, the messages this process sent and the downlink, kept when asked (`diagnose`) for diagnostics
+    computed after the step's timing."""
 
     @property
     def mean_up(self) -> float:
@@ -138,6 +141,7 @@ def algorithm1_step(
     exchanger: Exchanger,
     nonfinite: str = "error",
     faults: Faults | None = None,
+    diagnose: bool = False,
 ) -> StepBits:
     """One step of Algorithm 1 given the local workers' flat gradients ({dtype: [local, numel]}), in the
     order of `exchanger.local_workers`; returns the bits of the messages built.
@@ -149,6 +153,7 @@ def algorithm1_step(
     rank agrees through one all-gather of a flag per worker.
 
     `faults` (`distlion.comm.faults`) rewrites the step's uplinks of the faulty local workers before the exchange.
+    `diagnose`: keep the messages sent and the downlink of each buffer's exchange in `StepBits.exchanged`.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
@@ -179,8 +184,9 @@ def algorithm1_step(
         return reply
 
     def exchange_round(local: BufferWorkers, rules: list, how: str, worker_rule, server_rule, apply_rule,
-                       corrupt=None) -> None:
-        """Worker rules, the exchange and the apply rules of one round (the pre-exchange's or the step's)."""
+                       corrupt=None) -> tuple[list[Message], Message]:
+        """Worker rules, the exchange and the apply rules of one round (the pre-exchange's or the step's); the
+        messages sent and the downlink."""
         with timer.phase("encode"):
             messages = [worker_rule(m)(*r) for m, *r in rules]
             if corrupt is not None:
@@ -189,6 +195,9 @@ def algorithm1_step(
         with timer.phase("apply"):
             for method in local.appliers:
                 apply_rule(method)(reply, ctx)
+        return messages, reply
+
+    exchanged: dict[torch.dtype, tuple[list[Message], Message]] = {}
 
     for dtype, local in buffers.items():
         server = local.methods[0]
@@ -198,6 +207,8 @@ def algorithm1_step(
                            lambda m: m.pre_apply_rule)
         corrupt = None if faults is None else functools.partial(
             faults.corrupt, workers=exchanger.local_workers, step=ctx.step, buffer=str(dtype))
-        exchange_round(local, rules, server.exchange, lambda m: m.worker_rule, server.server_rule,
-                       lambda m: m.apply_rule, corrupt)
-    return StepBits(up, down, times=timer.times)
+        sent, reply = exchange_round(local, rules, server.exchange, lambda m: m.worker_rule, server.server_rule,
+                                     lambda m: m.apply_rule, corrupt)
+        if diagnose:
+            exchanged[dtype] = (sent, reply)
+    return StepBits(up, down, times=timer.times, exchanged=exchanged)

@@ -1,0 +1,56 @@
+"""What a vote says of itself: the agreement rate and the margins of |sum of signs| / N, on a hand-made vote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlion import Simulation
+
+# 4 workers, 8 coordinates: how many send +1 at each coordinate (step 0, zero momentum: the sign of the gradient).
+PLUS = [4, 3, 2, 1, 0, 2, 3, 1]
+
+
+def hand_made_grads() -> torch.Tensor:
+    return torch.tensor([[1.0 if w < c else -1.0 for c in PLUS] for w in range(4)])
+
+
+@pytest.mark.parametrize("method", ["dlion", "dlion_avg"])
+def test_agreement_and_margins_of_a_hand_made_vote(method):
+    sim = Simulation(method, [torch.zeros(8)], 4, lr=1e-3)
+    bits = sim.cluster.step({torch.float32: hand_made_grads()}, step=0, lr=1e-3, diagnose=True)
+    found = sim.cluster.diagnostics(bits)
+    # MaVo: + where more than 2 of 4 say +; the ties at coordinates 2 and 5 take the alternating rule's +, -.
+    # Agreeing signs per coordinate: 4, 3, 2, 3, 4, 2, 3, 3 = 24 of 32. Avg: the mean's sign, ties half: the same.
+    assert found["vote_agreement"] == pytest.approx(24 / 32)
+    # |2 (#plus) - 4| = 4, 2, 0, 2, 4, 0, 2, 2
+    assert found["vote_margins"] == pytest.approx([2 / 8, 0, 4 / 8, 0, 2 / 8])
+
+
+def test_without_diagnose_nothing_is_kept_and_other_methods_report_nothing():
+    sim = Simulation("dlion", [torch.zeros(8)], 4, lr=1e-3)
+    bits = sim.cluster.step({torch.float32: hand_made_grads()}, step=0, lr=1e-3)
+    assert bits.exchanged == {} and sim.cluster.diagnostics(bits) == {}
+    adamw = Simulation("adamw", [torch.zeros(8)], 4, lr=1e-3)
+    bits = adamw.cluster.step({torch.float32: hand_made_grads()}, step=0, lr=1e-3, diagnose=True)
+    assert adamw.cluster.diagnostics(bits) == {}
+
+
+def test_a_run_logs_the_vote_at_every_logged_step(make_cfg, tmp_path):
+    import json
+
+    run_cfg = make_cfg("method=dlion", "cluster.workers=3", "train.steps=12", "train.log_every=4",
+                       "train.eval_every=12")
+    from distlion.train import run
+
+    run(run_cfg, tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [4, 8, 12]
+    for line in lines:
+        assert 0.5 <= line["vote_agreement"] <= 1  # with 3 workers the majority holds at least 2 of 3
+        assert len(line["vote_margins"]) == 4 and sum(line["vote_margins"]) == pytest.approx(1)
+        assert line["vote_margins"][0] == line["vote_margins"][2] == 0  # odd N: |sum| is odd
+    from distlion.report import write_report
+
+    write_report(tmp_path, tmp_path / "report")
+    assert (tmp_path / "report" / "vote_agreement.png").exists()  # the agreement against steps
