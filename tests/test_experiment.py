@@ -197,3 +197,36 @@ def test_a_spec_through_the_submitit_launcher_gives_the_same_runs(sweeps, tmp_pa
     assert all(jobs[name]["params_sha256"] == seq[name]["params_sha256"] for name in seq)
     assert (tmp_path / "results" / "tiny" / "results.md").exists()
     assert list((tmp_path / "runs" / "tiny" / ".submitit").iterdir())  # the runs were submitit jobs
+
+
+@pytest.mark.parametrize("spec_path", sorted((REPO / "experiments").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_spec_composes_and_validates_each_swept_setting(spec_path):
+    """A spec that cannot run is caught here, not hours into a sweep: each point of each sweep (and of the tuning)
+    composes under Hydra with the spec's base and passes the config checks; no data is read."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from distlion.config import validate
+    from distlion.experiment import sweep_points
+    from distlion.tuning import parse_tuning, trial_sweeps
+
+    spec = OmegaConf.to_container(OmegaConf.load(spec_path), resolve=True)
+    # Per sweep, the first point of each method and each value of every other swept setting: every override
+    # that can be wrong is composed once (all points would take minutes).
+    points = []
+    for sweep in spec["sweeps"]:
+        seen: set[str] = set()
+        for point in sweep_points(sweep):
+            if not set(point) <= seen:
+                points.append(point)
+                seen |= set(point)
+    if "tuning" in spec:  # a method's trials differ by lr and weight decay alone: its first one
+        tuning = parse_tuning(spec)
+        points += [sweep_points(f"{s} {tuning.sweep}")[0] for s in trial_sweeps(tuning)]
+    base = [o for o in spec.get("base", []) if not o.startswith(("model.pretrained", "model=llama_pretrained"))]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for point in points:
+            overrides = [*base, *point, "seed=0", "logger=none"]
+            if any(o.startswith("cluster=torchdist") for o in overrides):
+                overrides.append("cluster.workers=2")
+            validate(compose("config", overrides=overrides))
