@@ -199,9 +199,10 @@ def markdown_table(runs: list[Run]) -> str:
     scores = [m for m in report_metrics(runs) if not m.reference]
     keys = varying_keys(runs)
     extra = [k for k in keys if k not in ALWAYS_NAMED]
+    per_sync = any("bits_per_param_per_sync" in r for r in runs)  # local updates: the bits of one sync too
     header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
-              *(m.display for m in scores), "n", "bits/param/iter up", "down", "total", "total bits communicated",
-              "steps", "wall time (min)"]
+              *(m.display for m in scores), "n", "bits/param/iter up", "down", "total",
+              *(["bits/param/sync"] if per_sync else []), "total bits communicated", "steps", "wall time (min)"]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for members in group_runs(runs, keys).values():
         r = members[0]
@@ -209,6 +210,8 @@ def markdown_table(runs: list[Run]) -> str:
                  *(_fmt(m, _values(members, m.key)) for m in scores), len(members),
                  *(f"{_mean(members, key):.3f}" for key in ("bits_up_per_param_per_iter",
                                                             "bits_down_per_param_per_iter", "bits_per_param_per_iter")),
+                 *([f"{_mean(members, 'bits_per_param_per_sync'):.3f}" if "bits_per_param_per_sync" in r else "—"]
+                   if per_sync else []),
                  f"{_mean(members, 'total_bits'):.3e}", r["steps"], f"{_mean(members, 'wall_time') / 60:.1f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     for m, value in references(runs):

@@ -121,6 +121,7 @@ def test_a_run_with_replicas_resumes_exactly(make_cfg, tmp_path, monkeypatch, me
     # 6 syncs in 24 steps: (32 up + 32 down) / 4 per iteration for LocalSGD, (1 + 1) / 4 plus padding for the vote
     per_sync = 64 if method == "localsgd" else 2
     assert resumed["bits_per_param_per_iter"] == pytest.approx(per_sync / 4, rel=1e-3)
+    assert resumed["bits_per_param_per_sync"] == pytest.approx(per_sync, rel=1e-3)  # both, as the table shows
 
 
 @pytest.mark.parametrize("method, per_worker", [("dlion", 4), ("localsgd", 4 + 8), ("diloco", 4 + 8 + 4 + 4),
