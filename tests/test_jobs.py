@@ -19,7 +19,9 @@ from omegaconf import OmegaConf
 from distlion.cluster.jobs import JobShape
 
 STEPS = ["train.steps=40", "train.eval_every=40", "train.log_every=5", "logger=none", "train.progress=false"]
-RANK_RUN = [*STEPS, "cluster=torchdist", "cluster.grad_strategy=sequential", "method=dlion"]
+# The 2-rank run of the job tests (long enough to be preempted in the middle), and its torchrun reference, once.
+RANK_RUN = ["train.steps=60", "train.eval_every=60", "train.log_every=5", "logger=none", "train.progress=false",
+            "cluster=torchdist", "cluster.grad_strategy=sequential", "method=dlion"]
 LIMIT_S = 300
 
 
@@ -38,6 +40,13 @@ def torchrun(ranks: int) -> tuple[str, ...]:
     return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}")
 
 
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("torchrun")
+    train(*RANK_RUN, f"hydra.run.dir={out / 'run'}", cwd=out, prefix=torchrun(2))
+    return json.loads((out / "run" / "summary.json").read_text())
+
+
 def test_the_job_shape_comes_from_the_cluster_config():
     config = OmegaConf.create({
         "hydra": {"launcher": {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
@@ -52,12 +61,11 @@ def test_the_job_shape_comes_from_the_cluster_config():
     assert simulated.hydra.launcher.tasks_per_node == 1  # one process runs all simulated workers
 
 
-def test_a_two_rank_job_ends_with_the_torchrun_parameters(tmp_path):
-    train(*RANK_RUN, f"hydra.run.dir={tmp_path / 'torchrun'}", cwd=tmp_path, prefix=torchrun(2))
+def test_a_two_rank_job_ends_with_the_torchrun_parameters(tmp_path, torchrun_reference):
     done = train("-m", "hydra/launcher=submitit_local", *RANK_RUN, "cluster.tasks_per_node=2",
                  f"hydra.sweep.dir={tmp_path / 'jobs'}", cwd=tmp_path)
     (job,) = summaries(tmp_path / "jobs").values()
-    reference = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
+    reference = torchrun_reference
     assert job["workers"] == 2 and job["wire_bytes_per_step"] > 0  # two ranks over gloo, not one process
     assert job["params_sha256"] == reference["params_sha256"]
     assert job["total_bits"] == reference["total_bits"]
@@ -82,9 +90,8 @@ def test_a_sweep_through_submitit_equals_the_joblib_sweep(tmp_path):
         assert summary["val_accuracy"] == joblib[name]["val_accuracy"], name
 
 
-def test_a_preempted_job_is_requeued_and_resumes_to_the_same_parameters(tmp_path):
-    run = [*RANK_RUN[1:], "train.steps=60", "train.checkpoint_every=5", "train.eval_every=60"]
-    train(*run, f"hydra.run.dir={tmp_path / 'torchrun'}", cwd=tmp_path, prefix=torchrun(2))
+def test_a_preempted_job_is_requeued_and_resumes_to_the_same_parameters(tmp_path, torchrun_reference):
+    run = [*RANK_RUN, "train.checkpoint_every=5"]
     sweep_dir = tmp_path / "jobs"
     driver = subprocess.Popen([sys.executable, "-m", "distlion.train", "-m", "hydra/launcher=submitit_local", *run,
                                "cluster.tasks_per_node=2", f"hydra.sweep.dir={sweep_dir}"],
@@ -109,7 +116,7 @@ def test_a_preempted_job_is_requeued_and_resumes_to_the_same_parameters(tmp_path
         driver.kill()
     assert driver.returncode == 0, stderr[-3000:]
     (job,) = summaries(sweep_dir).values()
-    reference = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
+    reference = torchrun_reference
     logs = "".join(p.read_text() for p in controller.glob("*_log.err"))
     assert logs.count("this job is preempted") == 2 and logs.count("resuming") == 2, logs[-3000:]
     assert "CollectiveError" not in logs and not list(sweep_dir.rglob("failed*")), logs[-3000:]
