@@ -43,6 +43,7 @@ from distlion.methods import method_info
 from distlion.report import Target, derive_target, load_runs, write_report, write_task_target
 from distlion.tuning import SpecError, parse_tuning, trial_spec, write_tuning
 from distlion.wallclock import write as write_wallclock
+from distlion.wallclock import write_modelled
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -279,6 +280,9 @@ def main() -> None:
                 target = spec_target(spec, runs_dir, args.conf_dir if args.set_target else None)
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
                                 notes=spec.get("description"), target=target)
+            if report.get("links"):  # simulated runs at links they never used: the cost model's time
+                write_modelled(runs, results_dir, [str(link) for link in report["links"]])
+                print(f"modelled wall-clock in {results_dir / 'modelled_time.md'}")
             if "netem" in spec:  # measured and modelled step times per link, time to target per link
                 value = Target.of(target).value if target is not None else None
                 write_wallclock(runs_dir, results_dir, value)

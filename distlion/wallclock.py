@@ -23,8 +23,18 @@ from typing import Any
 
 import matplotlib
 
-from distlion.costmodel import Link, Transfer, calibrate, comm_seconds
-from distlion.report import Run, curve_metric, first_reaching, load_runs, step_times
+from distlion.costmodel import Link, Transfer, calibrate, comm_seconds, transfers
+from distlion.report import (
+    Run,
+    curve_metric,
+    first_reaching,
+    group_runs,
+    legend_text,
+    load_runs,
+    mean_curve,
+    step_times,
+    varying_keys,
+)
 from distlion.tasks.base import Metric
 
 matplotlib.use("Agg")
@@ -133,6 +143,55 @@ def plot_accuracy_vs_time(runs: list[Run], path: Path, predicted: tuple[str, ...
     axes[0][-1].legend(fontsize=7)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Simulated runs on links they never used: their measured compute and codecs, the cost model's communication.
+
+def modelled_step(run: Run, link: Link) -> float:
+    """Seconds per step of a simulated run on `link`: its measured compute, codecs and in-process server rule,
+    plus the collectives of its exchange for the bits it sent, at the link's bandwidth and latency. A method that
+    syncs every H steps pays one exchange of its per-sync bits every H steps."""
+    model = calibrate(Path(run["run_dir"]))
+    sync_every = int(run.get("method.sync_every") or 1)
+    n, workers = run["num_params"], run["workers"]
+    steps = transfers(run["exchange"], run["bits_up_per_param_per_iter"] * sync_every * n,
+                      run["bits_down_per_param_per_iter"] * sync_every * n, workers)
+    return model.compute + model.codec + model.comm + comm_seconds(steps, workers, link) / sync_every
+
+
+def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:
+    """`modelled_time.md` and one plot per link: each group's modelled seconds per step, and its validation metric
+    (mean over seeds) against modelled training time. Returns the Markdown."""
+    metric = curve_metric(runs)
+    keys = varying_keys(runs)
+    groups = group_runs(runs, keys)
+    lines = ["# Modelled wall-clock\n",
+             "Seconds per step on links these simulated runs never used: the measured compute, codecs and server "
+             "rule (this machine's CPU) plus the cost model's collectives (`distlion.costmodel`, alpha = 0) for the "
+             "bits each method sent, once per sync for methods that sync every H steps. A model, not a "
+             "measurement: `results/wallclock_cpu/` checks it against emulated links.\n",
+             "| run | " + " | ".join(f"{link} (s/step)" for link in links) + " |", "|---|" + "---:|" * len(links)]
+    for values, members in groups.items():
+        cells = [f"{statistics.fmean(modelled_step(r, link_of(link)) for r in members):.4f}" for link in links]
+        lines.append(f"| {legend_text(keys, values)} | " + " | ".join(cells) + " |")
+    for link in links:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for values, members in groups.items():
+            steps, means, _ = mean_curve(members, "step", metric.key)
+            seconds = statistics.fmean(modelled_step(r, link_of(link)) for r in members)
+            ax.plot([s * seconds for s in steps], [metric.scale * m for m in means], marker="o", markersize=3,
+                    label=legend_text(keys, values))
+        ax.set_xlabel(f"modelled training time on {link} links (s)")
+        ax.set_ylabel(metric.display)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.savefig(out / f"metric_vs_modelled_time_{link}.png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        lines.append(f"\n![{metric.display} against modelled time, {link}](metric_vs_modelled_time_{link}.png)")
+    markdown = "\n".join(lines) + "\n"
+    (out / "modelled_time.md").write_text(markdown)
+    return markdown
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -133,3 +133,23 @@ def test_a_warm_up_before_start_iter_is_left_out_of_the_step_time_and_the_calibr
     assert step_times(run)["time_step"] == 0.5  # steps 12-30: from start_iter on, then 2 start-up lines out
     calibration = calibrate(run_dir)
     assert calibration.comm == 0.25 and calibration.transfers[0].payload == 100  # 1 bit x 800 params, in bytes
+
+
+def test_a_simulated_run_on_a_link_it_never_used(tmp_path):
+    """Measured compute + codecs + in-process server, plus the exchange's bytes at the link's rate, once per sync:
+    LocalSGD at H = 10 (3.2 bits per parameter per iteration: 32 per sync) all-gathers 4,000 bytes from each of 4
+    workers every 10 steps; each rank receives 3 x 4,000."""
+    import json
+
+    from distlion.wallclock import link_of, modelled_step
+
+    times = {"time_compute": 0.1, "time_encode": 0.01, "time_comm": 0.002, "time_apply": 0.003, "time_step": 0.115}
+    lines = [{"step": s, "bits_up_per_param": 0.0, "bits_down_per_param": 0.0, **times} for s in range(10, 60, 10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = {"method": "localsgd", "exchange": "allgather", "workers": 4, "num_params": 1000,
+               "bits_up_per_param_per_iter": 3.2, "bits_down_per_param_per_iter": 3.2, "method.sync_every": 10}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    run = {**summary, "run_dir": str(tmp_path)}
+    gbit = 1e9 * 1448 / 1514  # TCP payload on a 1 Gbit/s link
+    assert modelled_step(run, link_of("1gbit")) == pytest.approx(0.115 + 3 * 4000 * 8 / gbit / 10)
+    assert modelled_step(run, Link(None)) == pytest.approx(0.115)  # an uncapped link: the measured step
