@@ -265,10 +265,10 @@ def test_the_runner_skips_a_non_finite_step_and_counts_it(make_cfg, tmp_path, mo
 
     clean_step = Cluster.step
 
-    def poisoned(self, grads, step, lr, epoch=0.0):
+    def poisoned(self, grads, step, lr, epoch=0.0, diagnose=False):
         if step == 3:
             grads[torch.float32][1, 7] = NAN
-        return clean_step(self, grads, step, lr, epoch)
+        return clean_step(self, grads, step, lr, epoch, diagnose)
 
     monkeypatch.setattr(Cluster, "step", poisoned)
     settings = ["train.steps=6", "train.eval_every=6", "cluster.workers=2"]
@@ -303,11 +303,11 @@ def test_the_runner_trains_bf16_parameters_on_fp32_masters_and_resumes_them(make
     whole = run(make_cfg(*settings), tmp_path / "whole")
     clean_step = Cluster.step
 
-    def crash_at_step_3(self, grads, step, lr, epoch=0.0):
+    def crash_at_step_3(self, grads, step, lr, epoch=0.0, diagnose=False):
         assert self.masters[torch.bfloat16].dtype == torch.float32
         if step == 3:
             raise KeyboardInterrupt
-        return clean_step(self, grads, step, lr, epoch)
+        return clean_step(self, grads, step, lr, epoch, diagnose)
 
     monkeypatch.setattr(Cluster, "step", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):

@@ -122,6 +122,7 @@ class Recorder:
         self.flat, self.steps, self.fault, self.poison = None, [], None, None
         self._train, self._build = train, train.build_run
         self._cls, self._step = cluster_cls, cluster_cls.step
+        self._own_step = "step" in cluster_cls.__dict__  # else inherited: restored by deleting the patch
         recorder = self
 
         def build_run(*args):
@@ -129,14 +130,14 @@ class Recorder:
             recorder.flat = result.flat
             return result
 
-        def step(cluster, grads, step, lr, epoch=0.0):
+        def step(cluster, grads, step, lr, epoch=0.0, diagnose=False):
             if recorder.fault is not None:
                 recorder.fault(step)
             if recorder.poison is not None and step == recorder.poison["step"]:
                 worker = recorder.poison["worker"]
                 if worker in cluster.local_workers:  # a NaN in this worker's gradient
                     grads[torch.float32][cluster.local_workers.index(worker), 0] = float("nan")
-            bits = recorder._step(cluster, grads, step, lr, epoch)
+            bits = recorder._step(cluster, grads, step, lr, epoch, diagnose)
             wire = getattr(bits, "wire", None)
             recorder.steps.append({"up": bits.up, "down": bits.down, "sent": wire.sent if wire else None,
                                    "received": wire.received if wire else None})
@@ -148,7 +149,11 @@ class Recorder:
         return {str(d): b.clone() for d, b in self.flat.buffers.items()}
 
     def restore(self) -> None:
-        self._train.build_run, self._cls.step = self._build, self._step
+        self._train.build_run = self._build
+        if self._own_step:
+            self._cls.step = self._step
+        else:  # inherited: a later patch of the base class (tests/test_reliability.py) must reach it again
+            del self._cls.step
 
 
 # --------------------------------------------------------------------------------------------------

@@ -155,8 +155,8 @@ class DLion(Method):
                  counts 1 of 2), summed over the local workers; `signs` is their number. Additive over processes.
         margins  coordinates by |sum of the N signs| = |2 (#plus) - N|, [N + 1]: the whole buffer's, where the
                  counts are here (Avg's downlink; MaVo in one process, from all N messages), else absent.
-        Binary signs only (`zero_sign` other than "zero")."""
-        if self.zero_sign == "zero":
+        Binary signs exchanged after backward only (not `zero_sign="zero"`, not the DDP hook's buckets)."""
+        if self.zero_sign == "zero" or self.exchange == "in_backward":
             return {}
         n = self.params.numel()
         if self.aggregation == "avg":
