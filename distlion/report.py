@@ -729,8 +729,7 @@ def plot_vote_agreement(runs: list[Run], path: Path) -> Axes | None:
     voting = [r for r in runs if any("vote_agreement" in p for p in r["curve"])]
     if not voting:
         return None
-    ax = _plot_curves(voting, path, "step", "vote_agreement", 100.0, "step", "workers' signs equal to the vote (%)")
-    return ax
+    return _plot_curves(voting, path, "step", "vote_agreement", 100.0, "step", "workers' signs equal to the vote (%)")
 
 
 def plot_worker_drift(runs: list[Run], path: Path) -> Axes | None:

@@ -276,7 +276,7 @@ def evaluation(cfg: DictConfig, task: Task, model: nn.Module, flat: FlatParams, 
     also their diagnostics. Every process calls it (the model that counts may be gathered from the ranks)."""
     workers_params = cluster.worker_params() if cluster.has_replicas else None
     out: dict[str, float] = {}
-    with cluster.counted_params():
+    with cluster.counted_params(workers_params):  # one gather serves the diagnostics and the model that counts
         if not cluster.is_main:
             return out
         if workers_params is not None:

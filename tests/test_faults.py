@@ -14,7 +14,7 @@ from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, unpack_bits
 from distlion.methods import build_method
 from distlion.methods.base import StepContext
-from distlion.runio import RunDir, config_hash
+from distlion.runio import config_hash
 from distlion.train import run
 
 N_BITS = 13  # not a whole byte: the padding bits must not matter
@@ -164,28 +164,14 @@ def test_k_zero_is_bitwise_the_run_without_the_setting(make_cfg, tmp_path):
     assert flipped["total_bits"] == a["total_bits"]  # a flipped sign costs the same bits
 
 
-class Crash(Exception):
-    """The process dying right after a checkpoint."""
-
-
 @pytest.mark.parametrize("method", ["dlion", "dgc"])
-def test_stale_workers_resume_exactly(make_cfg, tmp_path, monkeypatch, method):
+def test_stale_workers_resume_exactly(make_cfg, tmp_path, crash_after_checkpoint, method):
     """What a stale worker resends next lives in the checkpoint: a resumed run ends where an uninterrupted one
     does (DGC's stale message is sparse, of another size than this step's: its bits are the ones sent)."""
     cfg = make_cfg(f"method={method}", *STEPS, "cluster.faults.k=2", "cluster.faults.kind=stale",
                    "train.checkpoint_every=10")
     reference = run(cfg, tmp_path / "reference")
-    save = RunDir.save_checkpoint
-
-    def save_then_crash(directory, suffix, state):
-        save(directory, suffix, state)
-        if state["step"] == 20:
-            raise Crash
-
-    with monkeypatch.context() as patch:
-        patch.setattr(RunDir, "save_checkpoint", save_then_crash)
-        with pytest.raises(Crash):
-            run(cfg, tmp_path / "crashed")
+    crash_after_checkpoint(cfg, tmp_path / "crashed", 20)
     resumed = run(cfg, tmp_path / "crashed")
     assert resumed["params_sha256"] == reference["params_sha256"]
     assert resumed["total_bits"] == reference["total_bits"]

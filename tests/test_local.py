@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from distlion import Simulation
-from distlion.runio import RunDir
 from distlion.train import run
 
 LAYOUT = [(5, 4), (4,)]
@@ -96,25 +95,11 @@ def test_signed_outer_gradients_keep_their_error_feedback():
 STEPS = ["train.steps=24", "train.eval_every=12", "cluster.workers=3", "train.checkpoint_every=5"]
 
 
-class Crash(Exception):
-    """The process dying right after a checkpoint."""
-
-
 @pytest.mark.parametrize("method", ["localsgd", "diloco_sign"])
-def test_a_run_with_replicas_resumes_exactly(make_cfg, tmp_path, monkeypatch, method):
+def test_a_run_with_replicas_resumes_exactly(make_cfg, tmp_path, crash_after_checkpoint, method):
     cfg = make_cfg(f"method={method}", "method.sync_every=4", *STEPS)
     reference = run(cfg, tmp_path / "reference")
-    save = RunDir.save_checkpoint
-
-    def save_then_crash(directory, suffix, state):
-        save(directory, suffix, state)
-        if state["step"] == 10:  # between two syncs: the workers' parameters differ
-            raise Crash
-
-    with monkeypatch.context() as patch:
-        patch.setattr(RunDir, "save_checkpoint", save_then_crash)
-        with pytest.raises(Crash):
-            run(cfg, tmp_path / "crashed")
+    crash_after_checkpoint(cfg, tmp_path / "crashed", 10)  # between two syncs: the workers' parameters differ
     resumed = run(cfg, tmp_path / "crashed")
     assert resumed["params_sha256"] == reference["params_sha256"]
     assert resumed["val_accuracy"] == reference["val_accuracy"]

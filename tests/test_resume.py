@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlion.runio import RunDir
 from distlion.train import run
 
 STEPS = ["train.steps=60", "train.checkpoint_every=10", "train.log_every=5", "train.eval_every=30"]
@@ -73,28 +72,14 @@ def test_checkpoint_from_another_config_is_refused(make_cfg, tmp_path):
         run(make_cfg(*STEPS, "method.lr=0.01"), tmp_path)
 
 
-class Crash(Exception):
-    """The process dying right after a checkpoint."""
-
-
 @pytest.mark.parametrize("method", ["dlion", "adamw"])
-def test_an_unreadable_latest_checkpoint_resumes_from_the_previous_one_exactly(make_cfg, tmp_path, monkeypatch,
-                                                                               capsys, method):
+def test_an_unreadable_latest_checkpoint_resumes_from_the_previous_one_exactly(make_cfg, tmp_path,
+                                                                               crash_after_checkpoint, capsys, method):
     cfg = make_cfg(f"method={method}", *STEPS)
     reference = run(cfg, tmp_path / "reference")
 
-    save = RunDir.save_checkpoint
-
-    def save_then_crash_at_step_30(directory, suffix, state):
-        save(directory, suffix, state)
-        if state["step"] == 30:
-            raise Crash
-
     crashed = tmp_path / "crashed"
-    with monkeypatch.context() as patch:
-        patch.setattr(RunDir, "save_checkpoint", save_then_crash_at_step_30)
-        with pytest.raises(Crash):
-            run(cfg, crashed)
+    crash_after_checkpoint(cfg, crashed, 30)
     assert last_step(crashed) == 30 and (crashed / "checkpoint.prev.pt").exists()
     latest = crashed / "checkpoint.pt"
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # the last write lost half its data

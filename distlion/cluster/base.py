@@ -269,12 +269,17 @@ class Cluster:
         """Whether the workers' parameters differ between exchanges (a local-update method)."""
         return any(m.replicas for m in self.methods.values())
 
-    def counted(self) -> dict[torch.dtype, torch.Tensor]:
+    def counted(self, workers: list[dict[torch.dtype, torch.Tensor]] | None = None) -> dict[torch.dtype, torch.Tensor]:
         """The parameters that count, per buffer (`Method.counted_params`): for a method with replicas, the ones
-        evaluated and saved (LocalSGD: the workers' mean; DiLoCo: the global parameters); else the model's."""
+        evaluated and saved (LocalSGD: the workers' mean; DiLoCo: the global parameters); else the model's.
+        `workers`: every worker's parameters when the caller has them already (`worker_params`), else gathered."""
         if not self.has_replicas:
             return dict(self.flat.buffers)
-        return {dtype: local.methods[0].counted_params(functools.partial(self._all_replicas, dtype))
+
+        def replicas(dtype: torch.dtype) -> list[torch.Tensor]:
+            return [w[dtype] for w in workers] if workers is not None else self._all_replicas(dtype)
+
+        return {dtype: local.methods[0].counted_params(functools.partial(replicas, dtype))
                 for dtype, local in self.buffers.items()}
 
     def _all_replicas(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -289,13 +294,13 @@ class Cluster:
         return [{dtype: replicas[i] for dtype, replicas in per_buffer.items()} for i in range(self.num_workers)]
 
     @contextmanager
-    def counted_params(self) -> Iterator[None]:
+    def counted_params(self, workers: list[dict[torch.dtype, torch.Tensor]] | None = None) -> Iterator[None]:
         """The model holds the parameters that count inside the block (every process enters it: with replicas
-        across processes they are gathered), its own parameters again after it."""
+        across processes they are gathered, unless `workers` has them), its own parameters again after it."""
         if not self.has_replicas:
             yield
             return
-        counted = self.counted()
+        counted = self.counted(workers)
         own = {d: b.clone() for d, b in self.flat.buffers.items()}
         for dtype, values in counted.items():
             self.flat.buffers[dtype].copy_(values)

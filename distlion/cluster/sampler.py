@@ -82,10 +82,10 @@ class ShardedSampler:
         """Example indices of step `step`, shape [workers, per_worker_batch]."""
         if self.given is not None:
             rows = []
+            stream = torch.arange(step * self.per_worker_batch, (step + 1) * self.per_worker_batch)
             for worker, shard in enumerate(self.given):
-                stream = torch.arange(step * self.per_worker_batch, (step + 1) * self.per_worker_batch)
-                passes, place = stream // len(shard), stream % len(shard)
-                rows.append(torch.stack([self._given_order(worker, int(e))[int(i)] for e, i in zip(passes, place)]))
+                passes, place = stream // len(shard), stream % len(shard)  # a batch may straddle two passes
+                rows.append(torch.cat([self._given_order(worker, int(e))[place[passes == e]] for e in passes.unique()]))
             return torch.stack(rows)
         epoch, position = divmod(step, self.steps_per_epoch)
         start = position * self.per_worker_batch

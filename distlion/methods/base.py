@@ -43,6 +43,11 @@ class StepContext:
         return torch.Generator(device=device).manual_seed(derive_seed(self.seed, self.step, self.worker))
 
 
+def mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(1/N) sum_i in worker order, fp32: the same bits in one process and on every rank."""
+    return torch.stack([t.to(torch.float32) for t in tensors]).sum(0).div_(len(tensors))
+
+
 def check_lr(lr: float, setting: str = "method.lr") -> None:
     if not lr > 0:  # also NaN
         raise ValueError(f"{setting}={lr} must be > 0; set {setting} to a positive learning rate")
@@ -148,8 +153,7 @@ class Method(ABC):
     def counted_params(self, gather_replicas: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
         """The parameters that count (evaluated, saved, digested) for a method with replicas, given a function
         that returns every worker's replica in worker order: by default their mean."""
-        replicas = gather_replicas()
-        return torch.stack(replicas).sum(0).div_(len(replicas))
+        return mean_in_order(gather_replicas())
 
     def hparams(self) -> dict[str, Any]:
         """The constructor's arguments as this instance holds them."""

@@ -159,19 +159,19 @@ class DLion(Method):
         if self.zero_sign == "zero" or self.exchange == "in_backward":
             return {}
         n = self.params.numel()
+        signs = [unpack_bits(m["signs"], n) for m in sent]
         if self.aggregation == "avg":
             plus = unpack_uint(down["counts"], n).long()
         elif len(sent) == num_workers:
-            plus = torch.stack([unpack_bits(m["signs"], n) for m in sent]).sum(0)
+            plus = torch.stack(signs).sum(0)
         else:
             plus = None
         if self.aggregation == "mavo":
             voted = unpack_bits(down["vote"], n)
-            agree2 = sum(2 * int((unpack_bits(m["signs"], n) == voted).sum()) for m in sent)
+            agree2 = sum(2 * int((s == voted).sum()) for s in signs)
         else:
             margin = 2 * plus - num_workers  # > 0: the mean is positive
-            agree2 = sum(int((torch.where(unpack_bits(m["signs"], n), margin, -margin).sign() + 1).sum())
-                         for m in sent)
+            agree2 = sum(int((torch.where(s, margin, -margin).sign() + 1).sum()) for s in signs)
         out = {"agree2": torch.tensor(agree2), "signs": torch.tensor(len(sent) * n)}
         if plus is not None:
             out["margins"] = torch.bincount((2 * plus - num_workers).abs(), minlength=num_workers + 1)

@@ -27,7 +27,7 @@ from timm.optim import Lion
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, unpack_signs
 from distlion.comm.voting import majority_vote, tie_bits
-from distlion.methods.base import Method, StepContext, check_betas, check_choice, check_fraction
+from distlion.methods.base import Method, StepContext, check_betas, check_choice, check_fraction, mean_in_order
 from distlion.methods.registry import MethodInfo, register
 
 INNER = ("adamw", "lion", "sgd")
@@ -42,11 +42,6 @@ def inner_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-
-
-def mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(1/N) sum_i in worker order, fp32: the same bits in one process and on every rank."""
-    return torch.stack([t.to(torch.float32) for t in tensors]).sum(0).div_(len(tensors))
 
 
 class LocalUpdates(Method):
