@@ -850,6 +850,11 @@ def write_report(
     failures = read_failures(root)
     if failures:
         parts.append(failures_list(failures))
+    inexact = [r for r in runs if r.get("resume_inexact")]
+    if inexact:
+        parts.append(f"**{len(inexact)} run(s) resumed inexactly** (in the tables; each differs from an "
+                     "uninterrupted run): " + "; ".join(f"`{Path(r['run_dir']).name}`: {r['resume_inexact']}"
+                                                        for r in inexact) + "\n")
     if columns:
         parts.append(pivot_table(runs, columns))
     faults = fault_table(runs)

@@ -131,6 +131,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     if checkpoint is not None:
         start_step, wall_time, bits = _restore(checkpoint, flat, cluster)
         print(f"distlion: resuming {directory.path} from step {start_step}", file=sys.stderr)
+    resume_gap = method.resume_gap() if checkpoint is not None else None
+    if resume_gap is not None:
+        print(f"distlion: warning: this resumed run differs from an uninterrupted one: {resume_gap}", file=sys.stderr)
     if cluster.is_main:  # only one process writes results and logs
         directory.write_config(cfg)
         if sampler.given is not None:  # non-IID: each shard's size and label histogram
@@ -222,6 +225,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             **({"bits_per_param_per_sync": bits.cum_bits_per_param / (steps // method.sync_every)}
                if getattr(method, "sync_every", None) and steps >= method.sync_every else {}),
             "wall_time": time.time() - start_time,
+            **({"resume_inexact": resume_gap} if resume_gap is not None else {}),
             "params_sha256": params_digest(flat),
             "config_hash": directory.config_hash,
             **git_version(),

@@ -108,3 +108,32 @@ def test_cli_truncated_checkpoint_without_a_previous_one_is_one_error_line(tmp_p
     assert error == (f"distlion: error: checkpoint {tmp_path / 'checkpoint.pt'} is unreadable (RuntimeError: "
                      "PytorchStreamReader failed reading zip archive: failed finding central directory) and no "
                      "readable previous one is left; delete it to start the run over")
+
+
+def test_a_resume_that_cannot_be_exact_says_so_in_its_log_summary_and_report(make_cfg, tmp_path,
+                                                                              crash_after_checkpoint, capsys,
+                                                                              monkeypatch):
+    """PowerSGD's hook state lives in torch, keyed by DDP's buckets, and starts over on a restart: such a run
+    finishes, but its log, summary and report say that it is not the uninterrupted run."""
+    from distlion.methods.ddp import DDPMethod
+    from distlion.methods.dlion import DLion
+    from distlion.report import write_report
+
+    gap = DDPMethod(compression="powersgd", start_iter=10).resume_gap()
+    assert gap is not None and "10 plain all-reduce steps" in gap
+    assert DDPMethod(compression="bf16").resume_gap() is None and DLion(lr=1e-3).resume_gap() is None
+
+    cfg = make_cfg("method=dlion", "train.steps=20", "train.checkpoint_every=10", "train.eval_every=10")
+    monkeypatch.setattr(DLion, "resume_gap", lambda self: "its hook state starts over")  # as PowerSGD's
+    assert "resume_inexact" not in run(cfg, tmp_path / "fresh")  # not resumed: nothing to say
+    crashed = tmp_path / "runs" / "crashed"
+    crash_after_checkpoint(cfg, crashed, 10)
+    capsys.readouterr()
+    summary = run(cfg, crashed)
+    assert ("distlion: warning: this resumed run differs from an uninterrupted one: its hook state starts over"
+            in capsys.readouterr().err.splitlines())
+    assert summary["resume_inexact"] == "its hook state starts over"
+    assert json.loads((crashed / "summary.json").read_text())["resume_inexact"] == summary["resume_inexact"]
+    write_report(tmp_path / "runs", tmp_path / "report")
+    results = (tmp_path / "report" / "results.md").read_text()
+    assert "**1 run(s) resumed inexactly**" in results and "`crashed`: its hook state starts over" in results

@@ -150,6 +150,11 @@ class Method(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
+    def resume_gap(self) -> str | None:
+        """Why a run resumed from a checkpoint cannot continue exactly as the uninterrupted one (state that lives
+        outside this project's reach), or None: every method here resumes bitwise."""
+        return None
+
     def counted_params(self, gather_replicas: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
         """The parameters that count (evaluated, saved, digested) for a method with replicas, given a function
         that returns every worker's replica in worker order: by default their mean."""

@@ -145,6 +145,14 @@ class DDPMethod(MeanGradientMethod):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.torch_optimizer.load_state_dict(state["optimizer"])
 
+    def resume_gap(self) -> str | None:
+        # Its error feedback and warm-start factors are keyed by DDP's bucket index, and a restarted DDP
+        # rebuilds its buckets after its first step, so that state cannot be carried over a restart.
+        if self.compression == "powersgd":
+            return ("torch's PowerSGD hook state (error feedback, warm-start factors, its step count) is not in the "
+                    f"checkpoint: the hook starts over ({self.start_iter} plain all-reduce steps, zero error)")
+        return None
+
 
 register(MethodInfo("ddp", DDPMethod, "DDP AdamW (fp32)", "global", "32", "32", order=2,
                     fixed={"compression": "none"}, reference="torch DistributedDataParallel",
