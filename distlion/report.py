@@ -225,7 +225,7 @@ PHASE_COLUMNS = {"time_compute": "compute", "time_encode": "encode", "time_comm"
                  "time_comm_hidden": "of which hidden", "time_apply": "decode + apply", "time_step": "step"}
 
 
-def step_times(run: Run, skip: int = 2) -> dict[str, float]:
+def steady_phase_times(run: Run, skip: int = 2) -> dict[str, float]:
     """A run's mean seconds per step of each phase over its steady state's logged lines (`steady_lines`)."""
     lines = steady_lines(run, run["curve"], skip)
     return {k: statistics.fmean(p.get(k, 0.0) for p in lines) for k in PHASE_COLUMNS} if lines else {}
@@ -236,7 +236,7 @@ def step_time_table(runs: list[Run]) -> str:
     keys = varying_keys(runs)
     rows = []
     for values, members in group_runs(runs, keys).items():
-        times = [t for t in (step_times(r) for r in members) if t]
+        times = [t for t in (steady_phase_times(r) for r in members) if t]
         if times:
             cells = [f"{1e3 * statistics.fmean(t[k] for t in times):.1f}" for k in PHASE_COLUMNS]
             rows.append(f"| {legend_text(keys, values)} | " + " | ".join(cells) + f" | {len(times)} |")

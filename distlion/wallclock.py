@@ -32,7 +32,7 @@ from distlion.report import (
     legend_text,
     load_runs,
     mean_curve,
-    step_times,
+    steady_phase_times,
     varying_keys,
 )
 from distlion.tasks.base import Metric
@@ -58,8 +58,8 @@ def by_method_and_link(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:
 
 
 def measured_step(members: list[Run]) -> float:
-    """Mean seconds per step over the runs' logged steps after start-up (`report.step_times`)."""
-    return statistics.fmean(step_times(r)["time_step"] for r in members)
+    """Mean seconds per step over the runs' logged steps after start-up (`report.steady_phase_times`)."""
+    return statistics.fmean(steady_phase_times(r)["time_step"] for r in members)
 
 
 def reference_link(runs: list[Run]) -> Link:

@@ -119,7 +119,7 @@ def test_a_warm_up_before_start_iter_is_left_out_of_the_step_time_and_the_calibr
     import json
 
     from distlion.costmodel import calibrate
-    from distlion.report import load_runs, step_times
+    from distlion.report import load_runs, steady_phase_times
 
     write_timed_run(tmp_path, "ddp", "100mbit", 0.5, 30, [0.5] * 7)
     run_dir = tmp_path / "ddp-100mbit"
@@ -130,7 +130,7 @@ def test_a_warm_up_before_start_iter_is_left_out_of_the_step_time_and_the_calibr
         line.update(time_step=4.0, time_comm=3.75, bits_up_per_param=32.0, bits_down_per_param=32.0)
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     (run,) = load_runs(tmp_path)
-    assert step_times(run)["time_step"] == 0.5  # steps 12-30: from start_iter on, then 2 start-up lines out
+    assert steady_phase_times(run)["time_step"] == 0.5  # steps 12-30: from start_iter on, then 2 start-up lines out
     calibration = calibrate(run_dir)
     assert calibration.comm == 0.25 and calibration.transfers[0].payload == 100  # 1 bit x 800 params, in bytes
 
