@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections import Counter
 
 import pytest
 from test_tasks import TINY_LLAMA, needs_data
@@ -49,6 +52,24 @@ def test_local_tasks_are_built_identically_twice_and_share_no_passage_with_the_t
         assert joined not in lines_of(train)  # and never in the training text
     labels = [d["label"] for d in docs["test"]]
     assert max(labels.count(k) for k in range(CHOICES)) < 0.35 * len(labels)  # the answer's position is shuffled
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["nextline", "lastword"])
+def test_a_scorer_blind_to_the_context_is_at_chance(name):
+    # An untrained model's likelihood follows the token count, i.e. how common a word is; distractors drawn from
+    # the distinct words (rare ones as often as common ones) let the most common candidate win 52% of `lastword`.
+    build = {"nextline": nextline_docs, "lastword": lastword_docs}[name]
+    docs = build(shakespeare("validation"))
+    counts = Counter(re.findall(r"[A-Za-z]+", shakespeare("train")))
+    blind_scores = {"most common words": lambda c: sum(counts[w] for w in re.findall(r"[A-Za-z]+", c)) / len(c),
+                    "rarest words": lambda c: -sum(counts[w] for w in re.findall(r"[A-Za-z]+", c)) / len(c),
+                    "longest": len, "shortest": lambda c: -len(c)}
+    ceiling = 1 / CHOICES + 3 * math.sqrt((1 / CHOICES) * (1 - 1 / CHOICES) / len(docs))  # chance + 3 stderr
+    for rule, score in blind_scores.items():
+        picks = [max(range(CHOICES), key=lambda k: score(d["choices"][k])) for d in docs]
+        accuracy = sum(p == d["label"] for p, d in zip(picks, docs)) / len(docs)
+        assert accuracy < ceiling, f"{name}: picking the {rule} candidate scores {accuracy:.3f}"
 
 
 def test_the_builders_hand_checked_on_a_small_text():

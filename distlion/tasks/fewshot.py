@@ -10,7 +10,10 @@ validation file):
 - `nextline` (HellaSwag-style): 4 consecutive lines of a passage; choose its next line among it and 3 lines of
   about its length from elsewhere in the same text.
 - `lastword` (LAMBADA-style): a passage of 3 lines without its last word; choose that word among it and 3
-  words of its length and case from elsewhere in the same text.
+  words of its length and case that end other lines of the same text.
+
+Distractors are drawn by occurrence from the population the answers come from, so a scorer blind to the context
+(word frequency, length, an untrained model) is at chance.
 
 Both have 4 choices (chance 25%); `fewshot_chance_<task>` is reported beside each score. The few-shot examples
 come from a pool of passages disjoint from the scored ones.
@@ -37,28 +40,44 @@ TASK_FILES = Path(__file__).resolve().parent / "fewshot"
 PAPER_TASKS = ("arc_easy", "arc_challenge", "boolq", "piqa", "social_iqa", "hellaswag", "openbookqa")
 CHOICES = 4
 POOL = 32  # passages kept for few-shot examples, never scored
+MIN_LINE = 16  # characters of a `nextline` answer: not a speaker's name or a fragment
+LAST_WORD = re.compile(r" ([A-Za-z]{3,})[^A-Za-z]*$")  # a word of 3+ letters after a space, ending a line
 
 
 def _nonblank_lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.splitlines() if line.strip()]
 
 
-def _length_matched(candidates: list[str], target: str, count: int, rng: random.Random,
-                    same: Callable[[str, str], bool]) -> list[str] | None:
-    """`count` distinct candidates unlike `target` for which `same(candidate, target)` holds, or None."""
-    pool = sorted({c for c in candidates if c != target and same(c, target)})
-    return rng.sample(pool, count) if len(pool) >= count else None
+def _distractors(candidates: list[str], target: str, count: int, rng: random.Random,
+                 same: Callable[[str, str], bool]) -> list[str] | None:
+    """`count` distinct candidates unlike `target` for which `same(candidate, target)` holds, or None.
+
+    Drawn by occurrence from `candidates`, a sample of the population the answers come from, so the answer and
+    its distractors are exchangeable: a scorer that ignores the context (word frequency, length, the token count
+    an untrained model's likelihood follows) is at chance. Drawing from the distinct values instead favours rare
+    ones, and an untrained model then scored 42% on `lastword` against 25% chance."""
+    pool = [c for c in candidates if c != target and same(c, target)]
+    if len(set(pool)) < count:
+        return None
+    chosen: list[str] = []
+    while len(chosen) < count:
+        candidate = rng.choice(pool)
+        if candidate not in chosen:
+            chosen.append(candidate)
+    return chosen
 
 
 def nextline_docs(text: str, seed: int = 0) -> list[dict[str, Any]]:
-    """Passages of 4 lines + the true next line (of at least 16 characters), non-overlapping, in text order."""
+    """Passages of 4 lines + the true next line (of at least `MIN_LINE` characters), non-overlapping, in text
+    order; the distractors are lines of about its length, and as long as an answer may be."""
     lines, rng, docs = _nonblank_lines(text), random.Random(seed), []
     for start in range(0, len(lines) - 5, 5):
         context, answer = lines[start : start + 4], lines[start + 4]
-        if len(answer) < 16:
+        if len(answer) < MIN_LINE:
             continue
         far = lines[: max(0, start - 50)] + lines[start + 55 :]  # not from the passage's neighbourhood
-        wrong = _length_matched(far, answer, CHOICES - 1, rng, lambda c, t: abs(len(c) - len(t)) <= max(3, len(t) // 5))
+        wrong = _distractors(far, answer, CHOICES - 1, rng,
+                             lambda c, t: len(c) >= MIN_LINE and abs(len(c) - len(t)) <= max(3, len(t) // 5))
         if wrong is None:
             continue
         choices = [answer, *wrong]
@@ -69,17 +88,17 @@ def nextline_docs(text: str, seed: int = 0) -> list[dict[str, Any]]:
 
 def lastword_docs(text: str, seed: int = 0) -> list[dict[str, Any]]:
     """Passages of 3 lines whose last word (letters only, at least 3, after a space) is held out, non-overlapping;
-    none that ends in a speaker's name."""
+    none that ends in a speaker's name. The distractors are last words of other lines, of its length and case."""
     lines, rng, docs = _nonblank_lines(text), random.Random(seed), []
-    words = re.findall(r"[A-Za-z]{3,}", text)
+    words = [m.group(1) for line in lines if not line.endswith(":") and (m := LAST_WORD.search(line))]
     for start in range(0, len(lines) - 3, 3):
         passage = "\n".join(lines[start : start + 3])
-        match = re.search(r" ([A-Za-z]{3,})[^A-Za-z]*$", passage)  # a word after a space on the passage's last line
+        match = LAST_WORD.search(passage)
         if match is None or lines[start + 2].endswith(":"):  # not a speaker's name
             continue
         answer = match.group(1)
-        wrong = _length_matched(words, answer, CHOICES - 1, rng,
-                                lambda c, t: len(c) == len(t) and c[0].isupper() == t[0].isupper())
+        wrong = _distractors(words, answer, CHOICES - 1, rng,
+                             lambda c, t: len(c) == len(t) and c[0].isupper() == t[0].isupper())
         if wrong is None:
             continue
         choices = [answer, *wrong]
