@@ -341,6 +341,13 @@ def kept_settings(path: Path) -> dict[str, Any]:
     return {k: v for k, v in method.items() if k not in ("lr", "weight_decay")}
 
 
+def same_setting(path: Path, text: str) -> bool:
+    """Whether the tuned file at `path` already holds the method settings of `text` (comments aside)."""
+    if not path.is_file():
+        return False
+    return (yaml.safe_load(path.read_text()) or {}).get("method") == yaml.safe_load(text).get("method")
+
+
 def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: str,
                kept: dict[str, Any] | None = None) -> str:
     """A conf/tuned file for the choice, its provenance in comments; `kept`: other method settings it keeps."""
@@ -456,9 +463,15 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
         else:
             tuned_dir.mkdir(parents=True, exist_ok=True)
             kept = kept_settings(tuned_dir / target)
-            (tuned_dir / target).write_text(tuned_text(c, spec["name"], tuning, command, date, kept))
-            written.append(tuned_dir / target)
-            status = f"`{target}`"
+            text = tuned_text(c, spec["name"], tuning, command, date, kept)
+            if same_setting(tuned_dir / target, text):
+                # A rerun (or another spec choosing from the same trials) keeps the file and its provenance:
+                # a resumed spec must not dirty the tree its final runs record.
+                status = f"`{target}` (unchanged)"
+            else:
+                (tuned_dir / target).write_text(text)
+                written.append(tuned_dir / target)
+                status = f"`{target}`"
         others = _shown(c, choices)
         more = f" (+{len(c.earlier)} earlier)" if c.earlier else ""
         lines.append(f"| {c.label} | {c.task} | {others} | {len(c.runs)}{more} | {len(failed)} | {c.steps} "

@@ -296,3 +296,25 @@ def test_tuned_values_are_written_as_floats_even_when_whole():
     for value in (0.0, 1.0, 30.0, 1e-5, 0.00464, 1e6):
         loaded = OmegaConf.create(f"v: {yaml_float(value)}").v
         assert isinstance(loaded, float) and loaded == pytest.approx(value, rel=1e-3)
+
+
+def test_a_tuned_file_holding_the_chosen_setting_is_left_as_it_is(tmp_path):
+    # A resumed spec (or a second spec choosing from the same trials) must not rewrite the file's provenance:
+    # the final runs that follow record whether the tree is dirty.
+    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    trials = tmp_path / "tuning"
+    for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.9), (1e-2, 0.6)]):
+        (trials / str(i)).mkdir(parents=True)
+        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    target = tuned / "digits_adamw.yaml"
+    same = "# tuned by an earlier spec\nmethod:\n  lr: 0.001\n  weight_decay: 0.1\n"
+    target.write_text(same)
+    write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tuned)
+    assert target.read_text() == same
+    assert "`digits_adamw.yaml` (unchanged)" in (tmp_path / "results" / "tuning.md").read_text()
+    target.write_text(same.replace("0.001", "0.002"))  # another setting: rewritten with this spec's provenance
+    write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tuned)
+    assert yaml.safe_load(target.read_text())["method"] == {"lr": 1e-3, "weight_decay": 0.1}
+    assert "spec t," in target.read_text()
