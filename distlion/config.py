@@ -68,6 +68,7 @@ def validate(cfg: DictConfig) -> Method:
     _whole("train.steps", train.steps, 1, optional=True)
     _whole("train.eval_every", train.eval_every, 1, optional=True)
     _whole("train.num_evals", train.num_evals, 1)
+    _whole("train.local_eval_every", train.get("local_eval_every", 1), 1)
     _whole("train.log_every", train.log_every, 1)
     _whole("train.checkpoint_every", train.checkpoint_every, 0)
     _whole("train.threads", train.get("threads"), 1, optional=True)

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 # task.target: what the report measures a run against, not what the run computes (a target set later
 # applies to finished runs).
 _NOT_HASHED = ("logger", "experiment", "task.name", "task.target", "train.progress", "train.log_every",
-               "train.checkpoint_every", "train.threads", "train.nonfinite",
+               "train.checkpoint_every", "train.threads", "train.nonfinite", "train.local_eval_every",
                "cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")  # where ranks run, not what
 
 

@@ -124,6 +124,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     schedule = LRSchedule(method.lr, steps, **cfg.schedule)
     compute_grads = cluster.gradients(model, cfg.cluster.grad_strategy)
     eval_every = cfg.train.eval_every or max(1, steps // cfg.train.num_evals)
+    local_eval_every = cfg.train.get("local_eval_every", 1)
     workers, suffix = cfg.cluster.workers, cluster.backend.shard_suffix
 
     start_step, wall_time, bits = 0, 0.0, BitsTally(flat.numel)
@@ -146,6 +147,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
               if cluster.is_main else NullLogger())
     start_time = time.time() - wall_time
     last_eval: dict[str, float] = {}
+    evals_done = start_step // eval_every  # a resumed run keeps counting where it left off
     clock = StepClock()
     preemption = Preemption()  # a submitit job's preemption notice: checkpoint at an agreed step, then requeue
     try:
@@ -175,7 +177,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
                           **bits.add(step_bits), **cluster.diagnostics(step_bits)}
                 if evaluate:  # every process enters (with replicas the model that counts may be gathered)
-                    evaluated = evaluation(cfg, task, model, flat, cluster, is_last)
+                    evals_done += 1
+                    score_local = is_last or evals_done % local_eval_every == 0
+                    evaluated = evaluation(cfg, task, model, flat, cluster, is_last, score_local)
                     if cluster.is_main:
                         last_eval = evaluated
                         record.update(evaluated)
@@ -274,17 +278,18 @@ class StepClock:
 
 
 def evaluation(cfg: DictConfig, task: Task, model: nn.Module, flat: FlatParams, cluster: Cluster,
-               is_last: bool) -> dict[str, float]:
+               is_last: bool, score_local: bool = True) -> dict[str, float]:
     """The model that counts, evaluated by the main process: during training the validation split only (cheap:
     `val_examples` of it), at the end all of it and the test split once (and the few-shot tasks); with replicas
-    also their diagnostics. Every process calls it (the model that counts may be gathered from the ranks)."""
+    also their diagnostics (the workers' own models scored only when `score_local`). Every process calls it (the
+    model that counts may be gathered from the ranks)."""
     workers_params = cluster.worker_params() if cluster.has_replicas else None
     out: dict[str, float] = {}
     with cluster.counted_params(workers_params):  # one gather serves the diagnostics and the model that counts
         if not cluster.is_main:
             return out
         if workers_params is not None:
-            out |= replica_diagnostics(task, model, flat, workers_params)
+            out |= replica_diagnostics(task, model, flat, workers_params, score_local)
         if is_last and cfg.train.test_eval:
             out |= final_evaluation(task, model)
             if cfg.get("eval") and cfg.eval.tasks:
@@ -296,17 +301,19 @@ def evaluation(cfg: DictConfig, task: Task, model: nn.Module, flat: FlatParams, 
 
 
 def replica_diagnostics(task: Task, model: nn.Module, flat: FlatParams,
-                        workers_params: list[dict[torch.dtype, torch.Tensor]]) -> dict[str, float]:
+                        workers_params: list[dict[torch.dtype, torch.Tensor]],
+                        score_local: bool = True) -> dict[str, float]:
     """For a method with a model replica per worker: `worker_drift`, the mean L2 distance of the workers'
-    parameters from their average, and each validation metric of the workers' own models, averaged over workers
-    (`<metric>_local_mean`; on `val_examples` of the split). The model holds its parameters again afterwards."""
+    parameters from their average, and (when `score_local`) each validation metric of the workers' own models,
+    averaged over workers (`<metric>_local_mean`; on `val_examples` of the split). The model holds its parameters
+    again afterwards."""
     held = {d: b.clone() for d, b in flat.buffers.items()}
     distances = torch.zeros(len(workers_params))
     for dtype in held:
         stacked = torch.stack([p[dtype].to(torch.float32) for p in workers_params])
         distances += (stacked - stacked.mean(0)).square().sum(1)
     scores: dict[str, list[float]] = {}
-    for params in workers_params:
+    for params in workers_params if score_local else ():
         for dtype, values in params.items():
             flat.buffers[dtype].copy_(values)
         for key, value in task.evaluate(model, "validation", task.val_examples).items():

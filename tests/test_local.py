@@ -142,3 +142,31 @@ def test_replica_runs_log_drift_and_the_workers_own_models(make_cfg, tmp_path):
 
     write_report(tmp_path, tmp_path / "report")
     assert (tmp_path / "report" / "worker_drift.png").exists()
+
+
+def test_the_workers_own_models_can_be_scored_at_every_kth_evaluation_only(make_cfg, tmp_path,
+                                                                           crash_after_checkpoint):
+    """Scoring N local models costs N evaluations: `train.local_eval_every=k` scores them at every k-th and the
+    last, drift at every one; the training, and so the run's hash, is the same."""
+    import json
+
+    from distlion.runio import config_hash
+
+    every = make_cfg("method=localsgd", "method.sync_every=4", "train.steps=12", "train.eval_every=2",
+                     "cluster.workers=3", "method.lr=3e-3")
+    sparse_overrides = ("method=localsgd", "method.sync_every=4", "train.steps=12", "train.eval_every=2",
+                        "cluster.workers=3", "method.lr=3e-3", "train.local_eval_every=4")
+    sparse = make_cfg(*sparse_overrides)
+    assert config_hash(sparse) == config_hash(every)
+    full, fewer = run(every, tmp_path / "every"), run(sparse, tmp_path / "sparse")
+    assert fewer["params_sha256"] == full["params_sha256"]
+    evals = [json.loads(line) for line in (tmp_path / "sparse" / "metrics.jsonl").read_text().splitlines()
+             if "worker_drift" in line]
+    assert [e["step"] for e in evals] == [2, 4, 6, 8, 10, 12]
+    assert [e["step"] for e in evals if "val_accuracy_local_mean" in e] == [8, 12]  # the 4th and the last
+    assert fewer["val_accuracy_local_mean"] == full["val_accuracy_local_mean"]
+    # Resumed after the 3rd evaluation, the count goes on: the 4th is still the one that scores them.
+    crash_after_checkpoint(make_cfg(*sparse_overrides, "train.checkpoint_every=6"), tmp_path / "resumed", 6)
+    run(make_cfg(*sparse_overrides, "train.checkpoint_every=6"), tmp_path / "resumed")
+    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in resumed if "val_accuracy_local_mean" in e] == [8, 12]
