@@ -70,6 +70,36 @@ def sweep_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[st
     return commands
 
 
+def unfinished(commands: list[list[str]], conf_dir: Path) -> list[list[str]]:
+    """The sweep commands with a point still to run: a sweep whose every point has a finished run of its config
+    (by config hash) in its sweep folder is left out, so a rerun of a finished spec launches nothing. A point whose
+    config does not compose here is launched, to fail there with its own message."""
+    from hydra import compose, initialize_config_dir
+
+    from distlion.runio import config_hash, read_summary
+
+    pending, skipped_runs = [], 0
+    with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
+        for command in commands:
+            overrides = command[command.index("-m", 3) + 1:]
+            sweep_dir = Path(next(o for o in overrides if o.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+            done = {summary.get("config_hash") for summary in map(read_summary, sweep_dir.glob("*"))
+                    if summary is not None} if sweep_dir.is_dir() else set()
+            try:
+                points = sweep_points(shlex.join(o for o in overrides if not o.startswith("hydra")))
+                left = [p for p in points if config_hash(compose("config", overrides=p)) not in done]
+            except Exception:  # noqa: BLE001 - the run itself reports what is wrong with it
+                left = points = [[]]
+            if left:
+                pending.append(command)
+            else:
+                skipped_runs += len(points)
+    if len(pending) < len(commands):
+        print(f"distlion: {len(commands) - len(pending)} of {len(commands)} sweeps ({skipped_runs} runs) are finished "
+              f"in {sweep_dir.parent.name}/{sweep_dir.name}; not launched", file=sys.stderr)
+    return pending
+
+
 def sweep_points(sweep: str) -> list[list[str]]:
     """The single-run overrides of a sweep ("method=a,b cluster.workers=4,8": 4 points), by Hydra's own parser."""
     overrides = OverridesParser.create().parse_overrides(shlex.split(sweep))
@@ -244,7 +274,8 @@ def main() -> None:
         spec = finetuning(spec, pretrain_dir / "model")
     # The tuning's report (tuning.md, the tuned files) is written by the tuning alone: --report-only leaves it.
     if tuning is not None and (args.tune or args.tune_only):
-        commands = sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir)
+        commands = unfinished(sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir),
+                              args.conf_dir)
         _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])  # failed trials are listed
         flags = ["--tune-only" if args.tune_only else "--tune", *(["--accept-edge"] if args.accept_edge else [])]
         try:
@@ -269,7 +300,7 @@ def main() -> None:
                              "alone on the machine")
         failed_sweeps += _run_sweeps(netem_commands(spec, args.overrides, runs_dir))
     elif not args.report_only:
-        commands = sweep_commands(spec, args.overrides + launcher, runs_dir)
+        commands = unfinished(sweep_commands(spec, args.overrides + launcher, runs_dir), args.conf_dir)
         failed_sweeps += _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])
     report = spec.get("report", {})
     with report_lock(runs_dir):

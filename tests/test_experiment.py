@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,6 +68,24 @@ def test_rerun_skips_finished_runs_and_keeps_their_files(sweeps):
     stamps = {p: p.stat().st_mtime_ns for p in files}
     run_experiment(spec, sequential)
     assert all(p.read_bytes() == data and p.stat().st_mtime_ns == stamps[p] for p, data in files.items())
+
+
+def test_a_sweep_whose_runs_are_all_finished_is_not_launched(sweeps, tmp_path):
+    """Rerunning a finished spec starts no process; a sweep with one run missing is launched again (its finished
+    runs skip themselves there)."""
+    from distlion.experiment import CONF, sweep_commands, unfinished
+
+    spec, sequential, _ = sweeps
+    runs = sequential / "runs" / "tiny"
+    commands = sweep_commands(yaml.safe_load(spec.read_text()), [], runs)
+    assert unfinished(commands, CONF) == []
+    moved = next(runs.glob("*/summary.json"))
+    shutil.copytree(moved.parent, tmp_path / "kept")
+    moved.unlink()
+    try:
+        assert unfinished(commands, CONF) == commands
+    finally:
+        shutil.copy2(tmp_path / "kept" / "summary.json", moved)
 
 
 def test_report_tables_and_csv_carry_the_runs_numbers(sweeps):
