@@ -82,6 +82,8 @@ def load_runs(root: Path) -> list[Run]:
         run.setdefault("shards", "iid")  # and IID shards
         config = path.parent / "config.yaml"
         task_cfg = OmegaConf.load(config).get("task", {}) if config.exists() else {}
+        run["backend"] = OmegaConf.load(config).get("cluster", {}).get("backend", "simulated") if config.exists() \
+            else "simulated"
         run["data"] = task_cfg.get("data")
         run["val_examples"] = task_cfg.get("val_examples")
         target = task_cfg.get("target")

@@ -148,16 +148,27 @@ def plot_accuracy_vs_time(runs: list[Run], path: Path, predicted: tuple[str, ...
 # ------------------------------------------------------------------------------------------------------
 # Simulated runs on links they never used: their measured compute and codecs, the cost model's communication.
 
-def modelled_step(run: Run, link: Link) -> float:
-    """Seconds per step of a simulated run on `link`: its measured compute, codecs and in-process server rule,
-    plus the collectives of its exchange for the bits it sent, at the link's bandwidth and latency. A method that
-    syncs every H steps pays one exchange of its per-sync bits every H steps."""
-    model = calibrate(Path(run["run_dir"]))
+def rank_compute(run: Run) -> float:
+    """Seconds of forward and backward per step of one rank: a simulated run computed all N workers' gradients in
+    one process, so its measured compute is divided by N."""
+    workers = run["workers"] if run.get("backend", "simulated") == "simulated" else 1
+    return steady_phase_times(run)["time_compute"] / workers
+
+
+def modelled_step(run: Run, link: Link, compute: float | None = None) -> float:
+    """Seconds per step of one rank of a run on `link`: forward and backward (`compute`, else the run's own
+    `rank_compute`), its encode (a simulated run's for all N workers, divided by N), its in-process server rule
+    and update, plus the collectives of its exchange for the bits it sent, at the link's bandwidth and latency. A
+    method that syncs every H steps pays one exchange of its per-sync bits every H steps."""
+    times = steady_phase_times(run)
+    workers = run["workers"] if run.get("backend", "simulated") == "simulated" else 1
+    compute = rank_compute(run) if compute is None else compute
     sync_every = int(run.get("method.sync_every") or 1)
-    n, workers = run["num_params"], run["workers"]
+    n = run["num_params"]
     steps = transfers(run["exchange"], run["bits_up_per_param_per_iter"] * sync_every * n,
-                      run["bits_down_per_param_per_iter"] * sync_every * n, workers)
-    return model.compute + model.codec + model.comm + comm_seconds(steps, workers, link) / sync_every
+                      run["bits_down_per_param_per_iter"] * sync_every * n, run["workers"])
+    return (compute + times["time_encode"] / workers + times["time_comm"] + times["time_apply"]
+            + comm_seconds(steps, run["workers"], link) / sync_every)
 
 
 def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:
@@ -166,21 +177,36 @@ def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:
     metric = curve_metric(runs)
     keys = varying_keys(runs)
     groups = group_runs(runs, keys)
+    # Every method runs the same forward and backward per rank; one compute time per task, worker count and batch
+    # (the median over the runs) keeps a run slowed by another process on the shared cores from looking slow here.
+    by_shape: dict[tuple, list[float]] = {}
+    for r in runs:
+        by_shape.setdefault((r["task"], r["workers"], r["per_worker_batch"]), []).append(rank_compute(r))
+    compute = {shape: statistics.median(seconds) for shape, seconds in by_shape.items()}
+
+    def seconds(r: Run, link: str) -> float:
+        return modelled_step(r, link_of(link), compute[(r["task"], r["workers"], r["per_worker_batch"])])
+
     lines = ["# Modelled wall-clock\n",
-             "Seconds per step on links these simulated runs never used: the measured compute, codecs and server "
-             "rule (this machine's CPU) plus the cost model's collectives (`distlion.costmodel`, alpha = 0) for the "
-             "bits each method sent, once per sync for methods that sync every H steps. A model, not a "
-             "measurement: `results/wallclock_cpu/` checks it against emulated links.\n",
-             "| run | " + " | ".join(f"{link} (s/step)" for link in links) + " |", "|---|" + "---:|" * len(links)]
+             "Seconds per step of one rank on links these simulated runs never used: forward and backward (the "
+             "median over this report's runs of the same task, worker count and batch, per rank: the simulated "
+             "process computed all N workers, so its time / N; the same for every method), each run's own encode "
+             "(/ N), server rule and update as measured on this machine's CPU, plus the cost model's collectives "
+             "(`distlion.costmodel`, alpha = 0) for the bits each method sent, once per sync for methods that sync "
+             "every H steps. A model, not a measurement: `results/wallclock_cpu/` checks the cost model against "
+             "emulated links.\n",
+             "| run | rank compute (s/step) | " + " | ".join(f"{link} (s/step)" for link in links) + " |",
+             "|---|---:|" + "---:|" * len(links)]
     for values, members in groups.items():
-        cells = [f"{statistics.fmean(modelled_step(r, link_of(link)) for r in members):.4f}" for link in links]
-        lines.append(f"| {legend_text(keys, values)} | " + " | ".join(cells) + " |")
+        shape = (members[0]["task"], members[0]["workers"], members[0]["per_worker_batch"])
+        cells = [f"{statistics.fmean(seconds(r, link) for r in members):.4f}" for link in links]
+        lines.append(f"| {legend_text(keys, values)} | {compute[shape]:.4f} | " + " | ".join(cells) + " |")
     for link in links:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for values, members in groups.items():
             steps, means, _ = mean_curve(members, "step", metric.key)
-            seconds = statistics.fmean(modelled_step(r, link_of(link)) for r in members)
-            ax.plot([s * seconds for s in steps], [metric.scale * m for m in means], marker="o", markersize=3,
+            per_step = statistics.fmean(seconds(r, link) for r in members)
+            ax.plot([s * per_step for s in steps], [metric.scale * m for m in means], marker="o", markersize=3,
                     label=legend_text(keys, values))
         ax.set_xlabel(f"modelled training time on {link} links (s)")
         ax.set_ylabel(metric.display)

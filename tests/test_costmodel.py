@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from distlion.costmodel import Calibration, Link, Transfer, comm_seconds, transfers
+from distlion.tasks.base import Metric
 
 
 def test_each_collective_moves_its_algorithms_bytes_in_its_rounds():
@@ -136,20 +139,45 @@ def test_a_warm_up_before_start_iter_is_left_out_of_the_step_time_and_the_calibr
 
 
 def test_a_simulated_run_on_a_link_it_never_used(tmp_path):
-    """Measured compute + codecs + in-process server, plus the exchange's bytes at the link's rate, once per sync:
-    LocalSGD at H = 10 (3.2 bits per parameter per iteration: 32 per sync) all-gathers 4,000 bytes from each of 4
-    workers every 10 steps; each rank receives 3 x 4,000."""
-    import json
-
-    from distlion.wallclock import link_of, modelled_step
+    """One rank's step: the simulated process computed and encoded for all 4 workers (/ 4), ran the server rule and
+    the update once, plus the exchange's bytes at the link's rate, once per sync: LocalSGD at H = 10 (3.2 bits per
+    parameter per iteration: 32 per sync) all-gathers 4,000 bytes from each of 4 workers every 10 steps; each rank
+    receives 3 x 4,000."""
+    from distlion.wallclock import link_of, modelled_step, rank_compute
 
     times = {"time_compute": 0.1, "time_encode": 0.01, "time_comm": 0.002, "time_apply": 0.003, "time_step": 0.115}
     lines = [{"step": s, "bits_up_per_param": 0.0, "bits_down_per_param": 0.0, **times} for s in range(10, 60, 10)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    summary = {"method": "localsgd", "exchange": "allgather", "workers": 4, "num_params": 1000,
-               "bits_up_per_param_per_iter": 3.2, "bits_down_per_param_per_iter": 3.2, "method.sync_every": 10}
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    run = {**summary, "run_dir": str(tmp_path)}
+    run = {"method": "localsgd", "exchange": "allgather", "workers": 4, "num_params": 1000,
+           "bits_up_per_param_per_iter": 3.2, "bits_down_per_param_per_iter": 3.2, "method.sync_every": 10,
+           "backend": "simulated", "curve": lines}
     gbit = 1e9 * 1448 / 1514  # TCP payload on a 1 Gbit/s link
-    assert modelled_step(run, link_of("1gbit")) == pytest.approx(0.115 + 3 * 4000 * 8 / gbit / 10)
-    assert modelled_step(run, Link(None)) == pytest.approx(0.115)  # an uncapped link: the measured step
+    rank = 0.1 / 4 + 0.01 / 4 + 0.002 + 0.003
+    assert rank_compute(run) == pytest.approx(0.025)
+    assert modelled_step(run, link_of("1gbit")) == pytest.approx(rank + 3 * 4000 * 8 / gbit / 10)
+    assert modelled_step(run, Link(None)) == pytest.approx(rank)  # an uncapped link: no transfer time
+    # The report's common compute (the median over its runs) replaces the run's own.
+    assert modelled_step(run, Link(None), compute=0.04) == pytest.approx(rank - 0.025 + 0.04)
+    # A torchrun rank measured its own worker only: nothing is divided.
+    assert modelled_step({**run, "backend": "torchdist"}, Link(None)) == pytest.approx(0.115)
+
+
+def test_modelled_time_takes_one_compute_time_for_every_method(tmp_path):
+    """A run slowed by another process on the shared cores (3x the compute) is modelled at the median compute of
+    the runs of its shape, so two methods that differ only in that contention come out equal."""
+    from distlion.wallclock import write_modelled
+
+    def run(method: str, compute: float, seed: int) -> dict:
+        times = {"time_compute": compute, "time_encode": 0.0, "time_comm": 0.0, "time_apply": 0.0, "time_step": 1}
+        curve = [{"step": s, "val_accuracy": 0.5, "bits_up_per_param": 1.0, "bits_down_per_param": 1.0, **times}
+                 for s in range(10, 60, 10)]
+        return {"method": method, "label": method, "task": "digits", "workers": 4, "per_worker_batch": 8,
+                "num_params": 1000, "exchange": "sharded", "bits_up_per_param_per_iter": 1.0,
+                "bits_down_per_param_per_iter": 1.0, "backend": "simulated", "seed": seed, "curve": curve,
+                "metrics": (Metric("val_accuracy", "validation accuracy (%)", "validation", True, 100.0),),
+                "run_dir": str(tmp_path)}
+
+    runs = [run("dlion", 0.4, s) for s in range(3)] + [run("signum", 1.2, s) for s in range(3)]
+    markdown = write_modelled(runs, tmp_path, ["1gbit"])
+    rows = [line.split("|") for line in markdown.splitlines() if line.startswith("| ") and "s/step" not in line]
+    assert len(rows) == 2 and rows[0][2:4] == rows[1][2:4]  # the same compute and modelled step
+    assert float(rows[0][2]) == pytest.approx(statistics.median([0.1] * 3 + [0.3] * 3))
