@@ -249,12 +249,18 @@ def test_trials_of_an_earlier_grid_budget_or_seed_are_not_chosen(tmp_path):
     assert "Also 2 trials of earlier grids, budgets or seeds (120 trial-steps, 4 s; lr 0.003, 0.01)" in md
 
 
-def test_a_rewritten_tuned_file_keeps_the_settings_the_trials_ran_with(tmp_path):
+def adamw_trials(tmp_path: Path):
+    """An AdamW grid of three finished trials under tmp_path/tuning, best at lr 1e-3."""
     tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
     trials = tmp_path / "tuning"
     for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.9), (1e-2, 0.6)]):
         (trials / str(i)).mkdir(parents=True)
         (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+    return tuning, trials
+
+
+def test_a_rewritten_tuned_file_keeps_the_settings_the_trials_ran_with(tmp_path):
+    tuning, trials = adamw_trials(tmp_path)
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     for kept in ({"betas": [0.95, 0.98]}, {"warmup_epochs": 0, "optimizer": "sgd"}):  # scalars alone once broke it
@@ -301,11 +307,7 @@ def test_tuned_values_are_written_as_floats_even_when_whole():
 def test_a_tuned_file_holding_the_chosen_setting_is_left_as_it_is(tmp_path):
     # A resumed spec (or a second spec choosing from the same trials) must not rewrite the file's provenance:
     # the final runs that follow record whether the tree is dirty.
-    tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
-    trials = tmp_path / "tuning"
-    for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.9), (1e-2, 0.6)]):
-        (trials / str(i)).mkdir(parents=True)
-        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+    tuning, trials = adamw_trials(tmp_path)
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     target = tuned / "digits_adamw.yaml"
