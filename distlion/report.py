@@ -250,6 +250,57 @@ def step_time_table(runs: list[Run]) -> str:
             + header + "\n|---|" + "---:|" * (len(PHASE_COLUMNS) + 1) + "\n" + "\n".join(rows) + "\n")
 
 
+
+def _averaging_gain(run: Run, key: str, local: str) -> float | None:
+    """The model that counts minus the mean of the workers' own models (metric `key`), averaged over the
+    evaluations that scored both on the same examples: all but the end, which scores the model that counts on the
+    whole validation split and the workers' on `task.val_examples`."""
+    gaps = [p[key] - p[local] for p in run["curve"][:-1] if local in p]
+    return statistics.fmean(gaps) if gaps else None
+
+
+def _mean_drift(run: Run) -> float | None:
+    """The worker drift averaged over the run's evaluations (each at its own distance from the last sync)."""
+    drifts = [p["worker_drift"] for p in run["curve"] if "worker_drift" in p]
+    return statistics.fmean(drifts) if drifts else None
+
+
+def _late_agreement(run: Run) -> float | None:
+    """The vote agreement averaged over the logged steps of the run's second half (the vote of a trained model)."""
+    end = run["curve"][-1]["step"] if run["curve"] else 0
+    late = [p["vote_agreement"] for p in run["curve"] if "vote_agreement" in p and 2 * p["step"] > end]
+    return statistics.fmean(late) if late else None
+
+
+def diagnostics_table(runs: list[Run]) -> str:
+    """What explains a local-update or voting method's score, per group (mean ± std over seeds; "" when no run
+    logged either): what averaging the workers' models gains (`_averaging_gain`), their drift (`_mean_drift`) and
+    the vote agreement late in the run (`_late_agreement`)."""
+    metric = curve_metric(runs)
+    local = f"{metric.key}_local_mean"
+    keys = varying_keys(runs)
+    rows = []
+    for values, members in group_runs(runs, keys).items():
+        gains = [g for g in (_averaging_gain(r, metric.key, local) for r in members) if g is not None]
+        drifts = [d for d in (_mean_drift(r) for r in members) if d is not None]
+        agreement = [100 * a for a in (_late_agreement(r) for r in members) if a is not None]
+        if not (gains or drifts or agreement):
+            continue
+        cells = [legend_text(keys, values), _fmt(metric, gains), _mean_std(drifts, ".3g") if drifts else "—",
+                 _mean_std(agreement, ".1f") if agreement else "—", len(members)]
+        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if not rows:
+        return ""
+    return ("Diagnostics, mean ± std over seeds. Local updates: the model that counts minus the mean of the "
+            f"workers' own models, in {metric.display} on the same validation examples, averaged over the "
+            "evaluations before the end that scored both (`train.local_eval_every`); the worker drift (mean L2 "
+            "distance of their parameters from their average) averaged over all evaluations. Sign methods: the "
+            "vote agreement, the % of the workers' signs equal to the voted sign, averaged over the logged steps of "
+            "the run's second half (near 50% is a coin flip):\n\n"
+            f"| run | model that counts - workers' own | worker drift | vote agreement (%) | n |\n"
+            "|---|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+
+
 def pivot_table(runs: list[Run], columns: str = "workers") -> str:
     """The paper's layout: one row per group of the other settings, one column per value of `columns`
     (the headline metric, mean ± std over seeds, n)."""
@@ -865,6 +916,9 @@ def write_report(
     parts.append(markdown_table(runs))
     if targets:
         parts.append(time_to_target_table(runs, targets))
+    diagnostics = diagnostics_table(runs)
+    if diagnostics:
+        parts.append(diagnostics)
     times = step_time_table(runs)
     if times:
         parts.append(times)

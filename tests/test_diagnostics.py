@@ -27,6 +27,22 @@ def test_agreement_and_margins_of_a_hand_made_vote(method):
     assert found["vote_margins"] == pytest.approx([2 / 8, 0, 4 / 8, 0, 2 / 8])
 
 
+
+def test_the_voted_outer_gradient_of_diloco_reports_its_vote_at_syncs_only():
+    # Inner SGD from 0: each worker's outer gradient (global - local) is lr x its gradient, whose signs are the
+    # hand-made vote's; the first sync (step 1 with H=2) has no error feedback yet, and a tie (coordinates 2 and 5)
+    # agrees with 2 of 4 whichever way it goes: the same 24 of 32 agreeing signs as D-Lion's MaVo.
+    sim = Simulation("diloco_sign", [torch.zeros(8)], 4, lr=0.1, sync_every=2, inner="sgd", outer_lr=0.01)
+    between = sim.cluster.step({torch.float32: torch.zeros(4, 8)}, step=0, lr=0.1, diagnose=True)
+    assert sim.cluster.diagnostics(between) == {}  # no vote between syncs
+    synced = sim.cluster.step({torch.float32: hand_made_grads()}, step=1, lr=0.1, diagnose=True)
+    found = sim.cluster.diagnostics(synced)
+    assert found["vote_agreement"] == pytest.approx(24 / 32)
+    assert found["vote_margins"] == pytest.approx([2 / 8, 0, 4 / 8, 0, 2 / 8])
+    fp32 = Simulation("diloco", [torch.zeros(8)], 4, lr=0.1, sync_every=1, inner="sgd")
+    assert fp32.cluster.diagnostics(fp32.cluster.step({torch.float32: hand_made_grads()}, step=0, lr=0.1,
+                                                      diagnose=True)) == {}
+
 def test_without_diagnose_nothing_is_kept_and_other_methods_report_nothing():
     sim = Simulation("dlion", [torch.zeros(8)], 4, lr=1e-3)
     bits = sim.cluster.step({torch.float32: hand_made_grads()}, step=0, lr=1e-3)
@@ -54,3 +70,7 @@ def test_a_run_logs_the_vote_at_every_logged_step(make_cfg, tmp_path):
 
     write_report(tmp_path, tmp_path / "report")
     assert (tmp_path / "report" / "vote_agreement.png").exists()  # the agreement against steps
+    # The diagnostics table: the agreement averaged over the second half's logged steps (8 and 12 of 12).
+    late = (lines[1]["vote_agreement"] + lines[2]["vote_agreement"]) / 2
+    assert f"| D-Lion (MaVo) | — | — | {100 * late:.1f} | 1 |" in (
+        tmp_path / "report" / "results.md").read_text().splitlines()

@@ -111,6 +111,22 @@ def unpack_and_sum(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return signs.sum(dim=0)
 
 
+def majority_vote_counts(sent: list[torch.Tensor], vote: torch.Tensor, numel: int,
+                         num_workers: int) -> dict[str, torch.Tensor]:
+    """What a majority vote says about itself, from the packed signs this process sent (uint8 [B] each) and the
+    packed vote (no communication): `agree2`, 2 x the (worker, coordinate) pairs whose sign is the voted one;
+    `signs`, their number; and, when every worker's signs are here, `margins`, the coordinates by
+    |sum of the N signs| = |2 (#plus) - N|, [N + 1]. The counts `Cluster.diagnostics` sums over processes."""
+    signs = [unpack_bits(s, numel) for s in sent]
+    voted = unpack_bits(vote, numel)
+    out = {"agree2": torch.tensor(sum(2 * int((s == voted).sum()) for s in signs)),
+           "signs": torch.tensor(len(sent) * numel)}
+    if len(sent) == num_workers:
+        plus = torch.stack(signs).sum(0)
+        out["margins"] = torch.bincount((2 * plus - num_workers).abs(), minlength=num_workers + 1)
+    return out
+
+
 TIE_RULES = ("alternate", "positive", "negative")
 
 

@@ -10,7 +10,7 @@ import torch
 import distlion.kernels as kernels
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, pack_uint, packed_size, uint_width, unpack_bits, unpack_signs, unpack_uint
-from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, tie_bits, tie_byte
+from distlion.comm.voting import TIE_RULES, count_votes, majority_vote, majority_vote_counts, tie_bits, tie_byte
 from distlion.methods.base import Method, StepContext, check_betas, check_choice
 from distlion.methods.registry import MethodInfo, register
 
@@ -159,23 +159,13 @@ class DLion(Method):
         if self.zero_sign == "zero" or self.exchange == "in_backward":
             return {}
         n = self.params.numel()
-        signs = [unpack_bits(m["signs"], n) for m in sent]
-        if self.aggregation == "avg":
-            plus = unpack_uint(down["counts"], n).long()
-        elif len(sent) == num_workers:
-            plus = torch.stack(signs).sum(0)
-        else:
-            plus = None
         if self.aggregation == "mavo":
-            voted = unpack_bits(down["vote"], n)
-            agree2 = sum(2 * int((s == voted).sum()) for s in signs)
-        else:
-            margin = 2 * plus - num_workers  # > 0: the mean is positive
-            agree2 = sum(int((torch.where(s, margin, -margin).sign() + 1).sum()) for s in signs)
-        out = {"agree2": torch.tensor(agree2), "signs": torch.tensor(len(sent) * n)}
-        if plus is not None:
-            out["margins"] = torch.bincount((2 * plus - num_workers).abs(), minlength=num_workers + 1)
-        return out
+            return majority_vote_counts([m["signs"] for m in sent], down["vote"], n, num_workers)
+        plus = unpack_uint(down["counts"], n).long()
+        margin = 2 * plus - num_workers  # > 0: the mean is positive
+        agree2 = sum(int((torch.where(unpack_bits(m["signs"], n), margin, -margin).sign() + 1).sum()) for m in sent)
+        return {"agree2": torch.tensor(agree2), "signs": torch.tensor(len(sent) * n),
+                "margins": torch.bincount(margin.abs(), minlength=num_workers + 1)}
 
     def delta(self, down: Message, ctx: StepContext) -> torch.Tensor:
         """The downlink as Delta, the update direction every worker applies (in a scratch buffer)."""

@@ -26,7 +26,7 @@ from timm.optim import Lion
 
 from distlion.comm.message import Message
 from distlion.comm.packing import pack_bits, unpack_signs
-from distlion.comm.voting import majority_vote, tie_bits
+from distlion.comm.voting import majority_vote, majority_vote_counts, tie_bits
 from distlion.methods.base import Method, StepContext, check_betas, check_choice, check_fraction, mean_in_order
 from distlion.methods.registry import MethodInfo, register
 
@@ -175,6 +175,13 @@ class DiLoCo(LocalUpdates):
             return Message(self._int8(mean_in_order([self._from_int8(m) for m in messages])))
         mean = mean_in_order([m["delta"] for m in messages])
         return Message({"delta": mean.to(torch.bfloat16) if self.outer_grad == "bf16" else mean})
+
+    def vote_diagnostics(self, sent: list[Message], down: Message, num_workers: int) -> dict[str, torch.Tensor]:
+        """The voted outer gradient's agreement and margins at a sync step (`majority_vote_counts`, as D-Lion's
+        MaVo); nothing between syncs or for the other outer gradients."""
+        if self.outer_grad != "sign" or not down.tensors:
+            return {}
+        return majority_vote_counts([m["signs"] for m in sent], down["vote"], self.params.numel(), num_workers)
 
     def decode(self, down: Message) -> torch.Tensor:
         """The downlink as the outer gradient, fp32 [n]."""
