@@ -161,11 +161,13 @@ def _show(key: str, value: Any) -> str:
 
 
 def legend_text(keys: list[str], values: tuple) -> str:
-    """A group's name: "G-Lion, N=2, batch 16/worker"."""
-    return ", ".join(_show(k, v) for k, v in zip(keys, values))
+    """A group's name: "G-Lion, N=2, batch 16/worker"; a setting the method does not have (None) is left out."""
+    return ", ".join(_show(k, v) for k, v in zip(keys, values) if v is not None)
 
 
 def _column(key: str, value: Any) -> str:
+    if value is None:  # a setting this method does not have (DiLoCo's sync_every in G-AdamW's row)
+        return "—"
     return f"{value:g}" if key == "lr" else str(list(value) if isinstance(value, tuple) else value)
 
 

@@ -135,6 +135,20 @@ def test_a_swept_learning_rate_gets_a_column_and_a_legend_entry(tmp_path):
     assert labels == ["G-Lion, lr=0.001", "G-Lion, lr=0.003"]
 
 
+
+def test_a_method_setting_others_do_not_have_is_a_dash_in_their_rows_and_absent_from_their_names(tmp_path):
+    """LocalSGD's sync_every, swept beside G-Lion (which has none): "—" in G-Lion's cells, not "None"."""
+    write_run(tmp_path)
+    for every in (10, 50):
+        write_run(tmp_path / str(every), method="localsgd", **{"method.sync_every": every})
+    runs = report.load_runs(tmp_path)
+    table = report.markdown_table(runs)
+    assert table_row(table, "| G-Lion |").startswith("| G-Lion | 2 | 16 | — |")
+    assert table_row(table, "| LocalSGD | 2 | 16 | 10 |")
+    pivot = report.pivot_table(runs, "workers")
+    assert table_row(pivot, "| G-Lion").startswith("| G-Lion |")  # not "G-Lion, sync_every=None"
+    assert table_row(pivot, "| LocalSGD, sync_every=50 |")
+
 def test_tasks_with_other_metrics_cannot_share_a_table_and_with_the_same_ones_are_told_apart(tmp_path):
     write_run(tmp_path / "mixed", task="digits")
     write_run(tmp_path / "mixed", task="shakespeare", workers=4)
