@@ -134,12 +134,19 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def git_version() -> dict[str, Any]:
-    """Commit and dirty flag of the code that produced a result (None outside a git checkout)."""
-    root = Path(__file__).resolve().parent.parent
+#: What specs write into the checkout themselves (reports, tuning tables, run records): a change there does not
+#: make the code that produced a result dirty (a resumed spec rewrites its tuning.md before its runs start).
+OUTPUT_DIRS = ("results", "runs")
+
+
+def git_version(root: Path | None = None) -> dict[str, Any]:
+    """Commit and dirty flag of the code that produced a result (None outside a git checkout): dirty when a tracked
+    file outside `OUTPUT_DIRS` differs from the commit."""
+    root = Path(__file__).resolve().parent.parent if root is None else root
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                *(f":(exclude){d}" for d in OUTPUT_DIRS)], cwd=root,
                                capture_output=True, text=True, check=True)
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):

@@ -178,3 +178,23 @@ def test_outputs_added_later_keep_the_hash_of_runs_made_without_them(make_cfg):
     assert runio.config_hash(make_cfg("train.save_model=true")) != runio.config_hash(plain)
     assert runio.config_hash(make_cfg("eval.tasks=[nextline]")) != runio.config_hash(plain)
     assert runio.config_hash(make_cfg("eval.num_fewshot=5")) == runio.config_hash(plain)  # no task: no scores
+
+
+def test_only_a_change_to_code_not_to_what_specs_write_makes_a_result_dirty(tmp_path):
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "distlion").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "distlion" / "method.py").write_text("lr = 1\n")
+    (tmp_path / "results" / "tuning.md").write_text("written\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert runio.git_version(tmp_path)["git_dirty"] is False
+    (tmp_path / "results" / "tuning.md").write_text("unchanged\n")  # a resumed spec rewrote its tuning table
+    assert runio.git_version(tmp_path)["git_dirty"] is False
+    (tmp_path / "distlion" / "method.py").write_text("lr = 2\n")
+    assert runio.git_version(tmp_path)["git_dirty"] is True
