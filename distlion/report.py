@@ -34,6 +34,7 @@ import matplotlib
 from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
+from distlion.comm.voting import chance_agreement
 from distlion.costmodel import steady_lines
 from distlion.methods import label_order, method_label
 from distlion.tasks import TASK_CONFIGS, Metric, task_metrics, task_name
@@ -288,8 +289,10 @@ def diagnostics_table(runs: list[Run]) -> str:
         agreement = [100 * a for a in (_late_agreement(r) for r in members) if a is not None]
         if not (gains or drifts or agreement):
             continue
+        chance = sorted({f"{100 * chance_agreement(r['workers']):.1f}" for r in members})
         cells = [legend_text(keys, values), _fmt(metric, gains), _mean_std(drifts, ".3g") if drifts else "—",
-                 _mean_std(agreement, ".1f") if agreement else "—", len(members)]
+                 _mean_std(agreement, ".1f") if agreement else "—", ", ".join(chance) if agreement else "—",
+                 len(members)]
         rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     if not rows:
         return ""
@@ -298,9 +301,10 @@ def diagnostics_table(runs: list[Run]) -> str:
             "evaluations before the end that scored both (`train.local_eval_every`); the worker drift (mean L2 "
             "distance of their parameters from their average) averaged over all evaluations. Sign methods: the "
             "vote agreement, the % of the workers' signs equal to the voted sign, averaged over the logged steps of "
-            "the run's second half (near 50% is a coin flip):\n\n"
-            f"| run | model that counts - workers' own | worker drift | vote agreement (%) | n |\n"
-            "|---|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+            "the run's second half, beside what N independent fair signs would give (a coin-flip vote; above 50%, "
+            "as the majority is made of the signs it is compared with):\n\n"
+            f"| run | model that counts - workers' own | worker drift | vote agreement (%) | chance (%) | n |\n"
+            "|---|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
 
 
 def pivot_table(runs: list[Run], columns: str = "workers") -> str:
@@ -727,8 +731,10 @@ def _seeds_note(groups: dict[tuple, list[Run]], spread: str) -> str:
 
 
 def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlabel: str, ylabel: str,
-                 reference: Metric | None = None, log_x: bool = False) -> Axes:
-    """One line per group: the mean over its seeds, with a ±1 std band when it has more than one."""
+                 reference: Metric | None = None, log_x: bool = False,
+                 levels: Iterable[tuple[float, str]] = ()) -> Axes:
+    """One line per group: the mean over its seeds, with a ±1 std band when it has more than one; `levels`
+    ((y, label), in plotted units) as gray lines."""
     keys = varying_keys(runs)
     groups = group_runs(runs, keys)
     styles = line_styles(keys, groups)
@@ -746,6 +752,8 @@ def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlab
     ax.set_title(_seeds_note(groups, "band"), fontsize=9)
     if reference is not None:
         _draw_references(ax, runs, reference)
+    for (level, label), style in zip(levels, LINESTYLES[1:] * 4):
+        ax.axhline(level, color="gray", ls=style, lw=1, label=label)
     if log_x:
         ax.set_xscale("log")
     return _save(fig, ax, path, xlabel, ylabel)
@@ -780,11 +788,15 @@ def plot_loss_curves(runs: list[Run], path: Path) -> Axes:
 
 def plot_vote_agreement(runs: list[Run], path: Path) -> Axes | None:
     """The sign methods' vote agreement (the fraction of workers' signs equal to the voted sign) against steps; None
-    when no run logged it. Near 50% a vote is a coin flip."""
+    when no run logged it. A gray line at the agreement of N independent fair signs (`chance_agreement`), which is
+    above 50%: a vote near it is a coin flip."""
     voting = [r for r in runs if any("vote_agreement" in p for p in r["curve"])]
     if not voting:
         return None
-    return _plot_curves(voting, path, "step", "vote_agreement", 100.0, "step", "workers' signs equal to the vote (%)")
+    chance = [(100 * chance_agreement(n), f"chance: {n} independent fair signs, {100 * chance_agreement(n):.1f}%")
+              for n in sorted({r["workers"] for r in voting})]
+    return _plot_curves(voting, path, "step", "vote_agreement", 100.0, "step", "workers' signs equal to the vote (%)",
+                        levels=chance)
 
 
 def plot_worker_drift(runs: list[Run], path: Path) -> Axes | None:

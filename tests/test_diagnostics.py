@@ -72,5 +72,21 @@ def test_a_run_logs_the_vote_at_every_logged_step(make_cfg, tmp_path):
     assert (tmp_path / "report" / "vote_agreement.png").exists()  # the agreement against steps
     # The diagnostics table: the agreement averaged over the second half's logged steps (8 and 12 of 12).
     late = (lines[1]["vote_agreement"] + lines[2]["vote_agreement"]) / 2
-    assert f"| D-Lion (MaVo) | — | — | {100 * late:.1f} | 1 |" in (
+    assert f"| D-Lion (MaVo) | — | — | {100 * late:.1f} | 75.0 | 1 |" in (  # 3 fair signs agree 75%
         tmp_path / "report" / "results.md").read_text().splitlines()
+
+
+def test_the_chance_agreement_is_that_of_hand_counted_and_of_random_votes():
+    from distlion.comm.voting import chance_agreement
+
+    # N=2: both agree (2 of 4 patterns) or tie (1 of 2 agrees): (1 + 1/2 + 1/2 + 1) / 4. N=3: 3 of 3 or 2 of 3.
+    assert chance_agreement(1) == 1.0
+    assert chance_agreement(2) == pytest.approx(0.75)
+    assert chance_agreement(3) == pytest.approx((2 * 1 + 6 * 2 / 3) / 8)
+    # 8 workers voting fair coins on 200,000 coordinates: the agreement the vote measures is the formula's.
+    n = 200_000
+    sim = Simulation("dlion", [torch.zeros(n)], 8, lr=1e-3)
+    coins = torch.randint(0, 2, (8, n), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
+    found = sim.cluster.diagnostics(sim.cluster.step({torch.float32: coins}, step=0, lr=1e-3, diagnose=True))
+    assert chance_agreement(8) == pytest.approx(0.63672, abs=1e-5)
+    assert found["vote_agreement"] == pytest.approx(chance_agreement(8), abs=0.003)

@@ -7,6 +7,8 @@ bit-planes are exactly the Avg downlink message, and MaVo compares them with N/2
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from distlion.comm.packing import alternating_bits, alternating_byte, as_words, uint_width, unpack_bits
@@ -125,6 +127,15 @@ def majority_vote_counts(sent: list[torch.Tensor], vote: torch.Tensor, numel: in
         plus = torch.stack(signs).sum(0)
         out["margins"] = torch.bincount((2 * plus - num_workers).abs(), minlength=num_workers + 1)
     return out
+
+
+def chance_agreement(num_workers: int) -> float:
+    """The vote agreement of N independent fair signs: the expected fraction of them equal to their majority
+    (a tie agrees with half), sum_k C(N, k) max(k, N - k) / (N 2^N). Not 50%: 0.75 at N = 2 and 3, 0.637 at 8,
+    -> 1/2 + 1/sqrt(2 pi N). A measured agreement near it says the workers' signs carry no more common
+    direction than coins would."""
+    n = num_workers
+    return sum(math.comb(n, k) * max(k, n - k) for k in range(n + 1)) / (n * 2**n)
 
 
 TIE_RULES = ("alternate", "positive", "negative")
