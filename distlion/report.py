@@ -253,7 +253,6 @@ def step_time_table(runs: list[Run]) -> str:
             + header + "\n|---|" + "---:|" * (len(PHASE_COLUMNS) + 1) + "\n" + "\n".join(rows) + "\n")
 
 
-
 def _averaging_gain(run: Run, key: str, local: str) -> float | None:
     """The model that counts minus the mean of the workers' own models (metric `key`), averaged over the
     evaluations that scored both on the same examples: all but the end, which scores the model that counts on the
