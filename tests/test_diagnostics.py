@@ -27,7 +27,6 @@ def test_agreement_and_margins_of_a_hand_made_vote(method):
     assert found["vote_margins"] == pytest.approx([2 / 8, 0, 4 / 8, 0, 2 / 8])
 
 
-
 def test_the_voted_outer_gradient_of_diloco_reports_its_vote_at_syncs_only():
     # Inner SGD from 0: each worker's outer gradient (global - local) is lr x its gradient, whose signs are the
     # hand-made vote's; the first sync (step 1 with H=2) has no error feedback yet, and a tie (coordinates 2 and 5)
@@ -42,6 +41,7 @@ def test_the_voted_outer_gradient_of_diloco_reports_its_vote_at_syncs_only():
     fp32 = Simulation("diloco", [torch.zeros(8)], 4, lr=0.1, sync_every=1, inner="sgd")
     assert fp32.cluster.diagnostics(fp32.cluster.step({torch.float32: hand_made_grads()}, step=0, lr=0.1,
                                                       diagnose=True)) == {}
+
 
 def test_without_diagnose_nothing_is_kept_and_other_methods_report_nothing():
     sim = Simulation("dlion", [torch.zeros(8)], 4, lr=1e-3)

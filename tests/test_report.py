@@ -135,7 +135,6 @@ def test_a_swept_learning_rate_gets_a_column_and_a_legend_entry(tmp_path):
     assert labels == ["G-Lion, lr=0.001", "G-Lion, lr=0.003"]
 
 
-
 def test_a_method_setting_others_do_not_have_is_a_dash_in_their_rows_and_absent_from_their_names(tmp_path):
     """LocalSGD's sync_every, swept beside G-Lion (which has none): "—" in G-Lion's cells, not "None"."""
     write_run(tmp_path)
@@ -148,6 +147,7 @@ def test_a_method_setting_others_do_not_have_is_a_dash_in_their_rows_and_absent_
     pivot = report.pivot_table(runs, "workers")
     assert table_row(pivot, "| G-Lion").startswith("| G-Lion |")  # not "G-Lion, sync_every=None"
     assert table_row(pivot, "| LocalSGD, sync_every=50 |")
+
 
 def test_tasks_with_other_metrics_cannot_share_a_table_and_with_the_same_ones_are_told_apart(tmp_path):
     write_run(tmp_path / "mixed", task="digits")
