@@ -47,14 +47,14 @@ from matplotlib.axes import Axes  # noqa: E402
 # Summary keys that are settings of a run, in the order tables and legends name them; every "method.<k>"
 # comes after lr. The other keys are outcomes (metrics, bits, time) or bookkeeping (seed, hashes).
 SETTINGS = ("label", "workers", "per_worker_batch", "lr", "task", "link", "shards", "shard_alpha", "faults_kind",
-            "faults_k", "global_batch", "steps", "epochs", "num_params")
+            "faults_k", "final_sync", "global_batch", "steps", "epochs", "num_params")
 # The method always, workers and per-worker batch whenever they vary (the table's fixed columns). Any other
 # setting is named only when it varies and the ones before it do not fix its value: tuned lr and weight
 # decay follow from the method, steps at a fixed epoch count from the workers.
 ALWAYS_NAMED = ("label", "workers", "per_worker_batch")
 _SHOWN = {"workers": "N={}", "per_worker_batch": "batch {}/worker", "lr": "lr={:g}", "link": "link {}",
           "faults_kind": "faults: {}", "faults_k": "k={}", "shards": "{} shards", "shard_alpha": "alpha={:g}",
-          "global_batch": "global batch {}",
+          "final_sync": "final sync {}", "global_batch": "global batch {}",
           "steps": "{} steps", "epochs": "{:g} epochs", "num_params": "{:,} params"}
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = "osD^v<>pPX*h"

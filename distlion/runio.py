@@ -74,6 +74,9 @@ def config_hash(cfg: DictConfig) -> str:
         not_hashed.append("train.save_model")
     if not config.get("eval", {}).get("tasks"):
         not_hashed.append("eval")
+    # The last step's sync changes only methods that sync every H steps, and runs made before it did not sync there.
+    if not (config.get("train", {}).get("final_sync", False) and "sync_every" in config.get("method", {})):
+        not_hashed.append("train.final_sync")
     if not config.get("cluster", {}).get("faults", {}).get("k"):  # honest workers: the runs made before faults
         not_hashed.append("cluster.faults")
     if config.get("cluster", {}).get("shards", "iid") == "iid":  # IID shards: the runs made before the setting

@@ -171,7 +171,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 is_last = step + 1 == steps
                 evaluate = (step + 1) % eval_every == 0 or is_last
                 logged = evaluate or (step + 1) % cfg.train.log_every == 0
-                step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step), diagnose=logged)
+                step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step), diagnose=logged,
+                                         final_sync=is_last and cfg.train.final_sync)
                 clock.add(step_times(timer.times, getattr(compute_grads, "last_times", {}), step_bits.times,
                                      time.perf_counter() - step_start))
                 record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
@@ -226,8 +227,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "splits": task.splits,
             **bits.summary(steps),
             # Methods that sync every H steps: their bits per sync too (the per-iteration mean is the paper's axis).
-            **({"bits_per_param_per_sync": bits.cum_bits_per_param / (steps // method.sync_every)}
-               if getattr(method, "sync_every", None) and steps >= method.sync_every else {}),
+            **sync_summary(method, bits.cum_bits_per_param, steps, cfg.train.final_sync),
             "wall_time": time.time() - start_time,
             **({"resume_inexact": resume_gap} if resume_gap is not None else {}),
             "params_sha256": params_digest(flat),
@@ -243,6 +243,16 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         return summary
     finally:
         logger.finish()
+
+
+def sync_summary(method: Method, cum_bits_per_param: float, steps: int, final_sync: bool) -> dict[str, Any]:
+    """Methods that sync every H steps: how often they synced and their bits per sync (the per-iteration mean is the
+    paper's axis; the per-sync figure prices one exchange on a link). Nothing for methods that exchange every step."""
+    if not hasattr(method, "sync_count"):
+        return {}
+    syncs = method.sync_count(steps, final_sync)
+    per_sync = {"bits_per_param_per_sync": cum_bits_per_param / syncs} if syncs else {}
+    return {"final_sync": final_sync, "syncs": syncs, **per_sync}
 
 
 def step_times(compute: dict[str, float], in_backward: dict[str, float], step: dict[str, float],

@@ -159,16 +159,19 @@ def modelled_step(run: Run, link: Link, compute: float | None = None) -> float:
     """Seconds per step of one rank of a run on `link`: forward and backward (`compute`, else the run's own
     `rank_compute`), its encode (a simulated run's for all N workers, divided by N), its in-process server rule
     and update, plus the collectives of its exchange for the bits it sent, at the link's bandwidth and latency. A
-    method that syncs every H steps pays one exchange of its per-sync bits every H steps."""
+    method that syncs every H steps pays its exchanges spread over the run's steps (its `syncs`: every H-th step,
+    and the last with `train.final_sync`; runs made before that count was recorded synced every H-th only)."""
     times = steady_phase_times(run)
     workers = run["workers"] if run.get("backend", "simulated") == "simulated" else 1
     compute = rank_compute(run) if compute is None else compute
-    sync_every = int(run.get("method.sync_every") or 1)
+    syncs_per_step = 1.0
+    if run.get("method.sync_every"):
+        syncs_per_step = run.get("syncs", run["steps"] // run["method.sync_every"]) / run["steps"]
     n = run["num_params"]
-    steps = transfers(run["exchange"], run["bits_up_per_param_per_iter"] * sync_every * n,
-                      run["bits_down_per_param_per_iter"] * sync_every * n, run["workers"])
+    steps = transfers(run["exchange"], run["bits_up_per_param_per_iter"] / syncs_per_step * n,
+                      run["bits_down_per_param_per_iter"] / syncs_per_step * n, run["workers"])
     return (compute + times["time_encode"] / workers + times["time_comm"] + times["time_apply"]
-            + comm_seconds(steps, run["workers"], link) / sync_every)
+            + comm_seconds(steps, run["workers"], link) * syncs_per_step)
 
 
 def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:

@@ -149,7 +149,7 @@ def test_a_simulated_run_on_a_link_it_never_used(tmp_path):
     lines = [{"step": s, "bits_up_per_param": 0.0, "bits_down_per_param": 0.0, **times} for s in range(10, 60, 10)]
     run = {"method": "localsgd", "exchange": "allgather", "workers": 4, "num_params": 1000,
            "bits_up_per_param_per_iter": 3.2, "bits_down_per_param_per_iter": 3.2, "method.sync_every": 10,
-           "backend": "simulated", "curve": lines}
+           "steps": 50, "backend": "simulated", "curve": lines}
     gbit = 1e9 * 1448 / 1514  # TCP payload on a 1 Gbit/s link
     rank = 0.1 / 4 + 0.01 / 4 + 0.002 + 0.003
     assert rank_compute(run) == pytest.approx(0.025)
@@ -159,6 +159,13 @@ def test_a_simulated_run_on_a_link_it_never_used(tmp_path):
     assert modelled_step(run, Link(None), compute=0.04) == pytest.approx(rank - 0.025 + 0.04)
     # A torchrun rank measured its own worker only: nothing is divided.
     assert modelled_step({**run, "backend": "torchdist"}, Link(None)) == pytest.approx(0.115)
+    # 55 steps ending on a sync (train.final_sync): 6 exchanges of 32 bits per parameter, 6 x 64 / 55 per iteration.
+    final = {**run, "steps": 55, "syncs": 6, "bits_up_per_param_per_iter": 6 * 32 / 55,
+             "bits_down_per_param_per_iter": 6 * 32 / 55}
+    assert modelled_step(final, link_of("1gbit")) == pytest.approx(rank + 3 * 4000 * 8 / gbit * 6 / 55)
+    # A run recorded before `syncs` (55 steps at H = 10, the last 5 unsynced): 5 exchanges of 32 bits.
+    old = {**run, "steps": 55, "bits_up_per_param_per_iter": 5 * 32 / 55, "bits_down_per_param_per_iter": 5 * 32 / 55}
+    assert modelled_step(old, link_of("1gbit")) == pytest.approx(rank + 3 * 4000 * 8 / gbit * 5 / 55)
 
 
 def test_modelled_time_takes_one_compute_time_for_every_method(tmp_path):

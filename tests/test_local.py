@@ -109,6 +109,44 @@ def test_a_run_with_replicas_resumes_exactly(make_cfg, tmp_path, crash_after_che
     assert resumed["bits_per_param_per_sync"] == pytest.approx(per_sync, rel=1e-3)  # both, as the table shows
 
 
+def test_a_run_ends_on_a_sync_so_the_model_that_counts_has_seen_every_step(make_cfg, tmp_path):
+    """10 steps at H = 4: syncs at steps 4 and 8 and, with train.final_sync (the default), at the last, its bits
+    counted. DiLoCo with inner SGD and an outer SGD step of 1 (no momentum) takes the workers' mean at a sync, as
+    LocalSGD does: ended on a sync the two agree. Without it DiLoCo's model is the one of step 8: the last 2 steps
+    are lost, as in a run of 8 steps."""
+    common = ["method.sync_every=4", "method.inner=sgd", "method.lr=0.05", "cluster.workers=3",
+              "schedule.name=constant", "train.eval_every=5"]
+    diloco = ["method=diloco", "method.outer_lr=1.0", "method.outer_momentum=0.0", *common]
+    local = run(make_cfg("method=localsgd", *common, "train.steps=10"), tmp_path / "localsgd")
+    ended = run(make_cfg(*diloco, "train.steps=10"), tmp_path / "ended")
+    cut = run(make_cfg(*diloco, "train.steps=10", "train.final_sync=false"), tmp_path / "cut")
+    eight = run(make_cfg(*diloco, "train.steps=8"), tmp_path / "eight")
+
+    assert ended["val_loss"] == pytest.approx(local["val_loss"], abs=1e-5)
+    assert ended["worker_drift"] < 1e-6 < 1e-3 < cut["worker_drift"]
+    assert cut["params_sha256"] == eight["params_sha256"] != ended["params_sha256"]
+    assert (ended["syncs"], cut["syncs"], eight["syncs"]) == (3, 2, 2)
+    for summary in (local, ended, cut):  # 32 bits up and 32 down per parameter at each sync
+        assert summary["bits_per_param_per_iter"] == pytest.approx(64 * summary["syncs"] / 10, rel=1e-3)
+        assert summary["bits_per_param_per_sync"] == pytest.approx(64, rel=1e-3)
+
+
+def test_the_last_sync_is_hashed_only_where_it_changes_a_run(make_cfg):
+    """Runs made before train.final_sync (which did not sync at the end) keep their hash at false; a method that
+    exchanges every step is the same run either way."""
+    from omegaconf import OmegaConf, open_dict
+
+    from distlion.runio import config_hash
+
+    for method, changes in (("localsgd", True), ("diloco_sign", True), ("dlion", False)):
+        ended, cut = (make_cfg(f"method={method}", f"train.final_sync={value}") for value in (True, False))
+        older = OmegaConf.create(OmegaConf.to_container(cut))
+        with open_dict(older):
+            del older.train["final_sync"]
+        assert config_hash(cut) == config_hash(older)
+        assert (config_hash(ended) != config_hash(cut)) == changes
+
+
 @pytest.mark.parametrize("method, per_worker", [("dlion", 4), ("localsgd", 4 + 8), ("diloco", 4 + 8 + 4 + 4),
                                                 ("diloco_sign", 4 + 8 + 4 + 4 + 4)])
 def test_what_each_worker_holds_in_bytes_per_parameter(method, per_worker):

@@ -265,10 +265,10 @@ def test_the_runner_skips_a_non_finite_step_and_counts_it(make_cfg, tmp_path, mo
 
     clean_step = Cluster.step
 
-    def poisoned(self, grads, step, lr, epoch=0.0, diagnose=False):
+    def poisoned(self, grads, step, lr, **kwargs):
         if step == 3:
             grads[torch.float32][1, 7] = NAN
-        return clean_step(self, grads, step, lr, epoch, diagnose)
+        return clean_step(self, grads, step, lr, **kwargs)
 
     monkeypatch.setattr(Cluster, "step", poisoned)
     settings = ["train.steps=6", "train.eval_every=6", "cluster.workers=2"]
@@ -303,11 +303,11 @@ def test_the_runner_trains_bf16_parameters_on_fp32_masters_and_resumes_them(make
     whole = run(make_cfg(*settings), tmp_path / "whole")
     clean_step = Cluster.step
 
-    def crash_at_step_3(self, grads, step, lr, epoch=0.0, diagnose=False):
+    def crash_at_step_3(self, grads, step, lr, **kwargs):
         assert self.masters[torch.bfloat16].dtype == torch.float32
         if step == 3:
             raise KeyboardInterrupt
-        return clean_step(self, grads, step, lr, epoch, diagnose)
+        return clean_step(self, grads, step, lr, **kwargs)
 
     monkeypatch.setattr(Cluster, "step", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
@@ -318,8 +318,8 @@ def test_the_runner_trains_bf16_parameters_on_fp32_masters_and_resumes_them(make
 
 
 def test_settings_added_later_keep_the_hash_of_runs_made_before_them(make_cfg):
-    """A finished fp32 run, made before train.dtype / master_weights / nonfinite / test_eval and task.target
-    existed, is still recognised."""
+    """A finished fp32 run, made before train.dtype / master_weights / nonfinite / test_eval / final_sync and
+    task.target existed, is still recognised."""
     from omegaconf import OmegaConf, open_dict
 
     from distlion.runio import config_hash
@@ -327,7 +327,7 @@ def test_settings_added_later_keep_the_hash_of_runs_made_before_them(make_cfg):
     cfg = make_cfg("method=dlion_avg")
     older = OmegaConf.create(OmegaConf.to_container(cfg))
     with open_dict(older):
-        for key in ("dtype", "master_weights", "nonfinite", "test_eval"):
+        for key in ("dtype", "master_weights", "nonfinite", "test_eval", "final_sync"):
             del older.train[key]
         del older.task["target"]
     assert config_hash(cfg) == config_hash(older)

@@ -149,6 +149,18 @@ def test_a_method_setting_others_do_not_have_is_a_dash_in_their_rows_and_absent_
     assert table_row(pivot, "| LocalSGD, sync_every=50 |")
 
 
+def test_runs_with_and_without_the_last_sync_are_two_groups(tmp_path):
+    """train.final_sync changes what a LocalSGD run counts: swept, its two values are two rows, not six seeds."""
+    write_run(tmp_path)
+    for ended in (True, False):
+        for seed in range(3):
+            write_run(tmp_path / f"{ended}{seed}", method="localsgd", seed=seed, final_sync=ended)
+    pivot = report.pivot_table(report.load_runs(tmp_path), "workers")
+    for ended in (True, False):
+        assert table_row(pivot, f"| LocalSGD, final sync {ended} |")
+    assert table_row(pivot, "| G-Lion |")
+
+
 def test_tasks_with_other_metrics_cannot_share_a_table_and_with_the_same_ones_are_told_apart(tmp_path):
     write_run(tmp_path / "mixed", task="digits")
     write_run(tmp_path / "mixed", task="shakespeare", workers=4)

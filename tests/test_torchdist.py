@@ -40,7 +40,7 @@ METHODS = {
     "dgc": (["method=dgc", "method.warmup_epochs=1"], "allgather", True),
     "graddrop": (["method=graddrop"], "allgather", True),
     "demo": (["method=demo", "method.chunk=16", "method.topk=2"], "allgather", True),
-    # Local updates: each rank steps its own parameters, a sync every 3 / 4 steps (the last step is not one).
+    # Local updates: each rank steps its own parameters, a sync every 3 / 4 steps and at the last (train.final_sync).
     "localsgd": (["method=localsgd", "method.sync_every=3"], "allgather", True),
     "diloco": (["method=diloco", "method.sync_every=4"], "allgather", True),
     "diloco_sign": (["method=diloco_sign", "method.sync_every=3"], "allgather", True),
@@ -130,14 +130,14 @@ class Recorder:
             recorder.flat = result.flat
             return result
 
-        def step(cluster, grads, step, lr, epoch=0.0, diagnose=False):
+        def step(cluster, grads, step, lr, **kwargs):
             if recorder.fault is not None:
                 recorder.fault(step)
             if recorder.poison is not None and step == recorder.poison["step"]:
                 worker = recorder.poison["worker"]
                 if worker in cluster.local_workers:  # a NaN in this worker's gradient
                     grads[torch.float32][cluster.local_workers.index(worker), 0] = float("nan")
-            bits = recorder._step(cluster, grads, step, lr, epoch, diagnose)
+            bits = recorder._step(cluster, grads, step, lr, **kwargs)
             wire = getattr(bits, "wire", None)
             recorder.steps.append({"up": bits.up, "down": bits.down, "sent": wire.sent if wire else None,
                                    "received": wire.received if wire else None})

@@ -218,11 +218,12 @@ class Cluster:
         return {dtype: local.states for dtype, local in self.buffers.items()}
 
     def step(self, grads: dict[torch.dtype, torch.Tensor], step: int, lr: float, epoch: float = 0.0,
-             diagnose: bool = False) -> StepBits:
+             diagnose: bool = False, final_sync: bool = False) -> StepBits:
         """Apply one step given the local workers' flat gradients ({dtype: [local, numel]}). `diagnose`: keep what
-        was exchanged, for `diagnostics`."""
+        was exchanged, for `diagnostics`; `final_sync`: the run's last step, where a local-update method syncs too."""
         before = self.backend.wire
-        ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed)
+        ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed,
+                          final_sync=final_sync)
         grads = {d: g.to(torch.float32) if d in self.masters else g for d, g in grads.items()}
         bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite,
                                self.faults if self.faults.faulty else None, diagnose)

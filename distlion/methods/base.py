@@ -36,6 +36,9 @@ class StepContext:
     epoch: float = 0.0
     worker: int = 0
     seed: int = 0
+    # The run's last step, where a method that syncs every H steps syncs as well (`train.final_sync`), so the
+    # model that counts has seen every step and the bits of that sync are counted.
+    final_sync: bool = False
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The random stream of worker `worker` at step `step`, seeded from (seed, step, worker) alone,

@@ -67,8 +67,12 @@ class LocalUpdates(Method):
         self.inner_opt = inner_optimizer(self.inner, [self._leaf], self.lr, self.weight_decay, self.betas)
         return self
 
-    def syncs(self, step: int) -> bool:
-        return (step + 1) % self.sync_every == 0
+    def syncs(self, ctx: StepContext) -> bool:
+        return (ctx.step + 1) % self.sync_every == 0 or ctx.final_sync
+
+    def sync_count(self, steps: int, final_sync: bool) -> int:
+        """How many syncs a run of `steps` steps makes: every H-th step, and the last with `final_sync`."""
+        return steps // self.sync_every + int(final_sync and steps % self.sync_every != 0)
 
     def inner_step(self, grad: torch.Tensor, lr: float) -> None:
         self._leaf.grad = grad.to(self._leaf.dtype)
@@ -95,7 +99,7 @@ class LocalSGD(LocalUpdates):
 
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
         self.inner_step(grad, ctx.lr)
-        return Message({"params": self.params.to(torch.float32).clone()}) if self.syncs(ctx.step) else Message()
+        return Message({"params": self.params.to(torch.float32).clone()}) if self.syncs(ctx) else Message()
 
     def server_rule(self, messages: list[Message], ctx: StepContext) -> Message:
         if not messages[0].tensors:
@@ -138,7 +142,7 @@ class DiLoCo(LocalUpdates):
 
     def worker_rule(self, grad: torch.Tensor, state: dict[str, torch.Tensor], ctx: StepContext) -> Message:
         self.inner_step(grad, ctx.lr)
-        if not self.syncs(ctx.step):
+        if not self.syncs(ctx):
             return Message()
         delta = self.global_params.detach() - self.params.to(torch.float32)
         if self.outer_grad == "fp32":
