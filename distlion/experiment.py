@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -169,18 +170,32 @@ def with_config_dir(command: list[str], conf_dir: Path) -> list[str]:
     return [*command[:3], "--config-path", str(conf_dir.resolve()), *command[3:]]
 
 
-def run_sweep(command: list[str]) -> int:
-    """Run one sweep's command in its own process group; its exit status. The group ends with the driver:
-    on Ctrl-C, SIGTERM (see `main`) or an error here at once, on SIGKILL through the group leader."""
-    leader = subprocess.Popen([sys.executable, "-c", _GROUP_LEADER, str(os.getpid()), *command], cwd=REPO,
-                              start_new_session=True)
-    try:
-        return leader.wait()
-    except BaseException:
-        with suppress(ProcessLookupError):
-            os.killpg(leader.pid, signal.SIGKILL)
-        leader.wait()
-        raise
+def start_sweep(command: list[str]) -> subprocess.Popen:
+    """Start one sweep's command in its own process group. The group ends with the driver: on Ctrl-C, SIGTERM (see
+    `main`) or an error here through `end_sweep`, on SIGKILL through the group leader."""
+    print("+", shlex.join(command[1:]), flush=True)
+    return subprocess.Popen([sys.executable, "-c", _GROUP_LEADER, str(os.getpid()), *command], cwd=REPO,
+                            start_new_session=True)
+
+
+def end_sweep(leader: subprocess.Popen) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(leader.pid, signal.SIGKILL)
+    leader.wait()
+
+
+def sweep_slots(command: list[str]) -> int | None:
+    """How many of the sweep's points run at once: its joblib `n_jobs`, at most its number of points; None for a
+    sweep without that launcher (it runs alone)."""
+    n_jobs = [int(o.split("=", 1)[1]) for o in command if o.startswith("hydra.launcher.n_jobs=")]
+    if not n_jobs:
+        return None
+    overrides = command[command.index("-m", 3) + 1:]
+    return max(1, min(n_jobs[-1], len(sweep_points(shlex.join(o for o in overrides if not o.startswith("hydra"))))))
+
+
+def with_n_jobs(command: list[str], n_jobs: int) -> list[str]:
+    return [f"hydra.launcher.n_jobs={n_jobs}" if o.startswith("hydra.launcher.n_jobs=") else o for o in command]
 
 
 @contextmanager
@@ -209,19 +224,37 @@ def spec_target(spec: dict[str, Any], runs_dir: Path, conf_dir: Path | None) -> 
 
 
 def _stop(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through run_sweep, which ends the sweep's group
+    raise KeyboardInterrupt  # unwinds through _run_sweeps, which ends the sweeps' groups
 
 
 def _run_sweeps(commands: list[list[str]]) -> int:
-    """Run the sweeps one after another; how many ended with an error. Ctrl-C or SIGTERM ends the running one."""
-    failed = 0
+    """Run the sweeps in order; how many ended with an error. A sweep of fewer points than its `n_jobs` (a D-Lion
+    lr x weight-decay pair is one point) leaves the rest of the jobs to the sweeps after it, so `--jobs` points run
+    at once; a sweep without the joblib launcher runs alone. Ctrl-C or SIGTERM ends the running ones."""
+    slots = [sweep_slots(c) for c in commands]
+    budget = max((s for s in slots if s is not None), default=1)
+    failed, queue, running = 0, list(zip(commands, slots)), {}
     try:
-        for command in commands:
-            print("+", shlex.join(command[1:]), flush=True)
-            failed += run_sweep(command) != 0
+        while queue or running:
+            while queue and (not running or (queue[0][1] is not None and None not in running.values()
+                                              and sum(running.values()) + queue[0][1] <= budget)):
+                command, n = queue.pop(0)
+                running[start_sweep(command if n is None else with_n_jobs(command, n))] = n
+            done = [leader for leader in running if leader.poll() is not None]
+            for leader in done:
+                failed += leader.returncode != 0
+                del running[leader]
+            if not done:
+                time.sleep(0.5)
     except KeyboardInterrupt:
+        for leader in running:
+            end_sweep(leader)
         print("distlion: stopped; rerun the same command to go on: finished runs are skipped", file=sys.stderr)
         sys.exit(130)
+    except BaseException:
+        for leader in running:
+            end_sweep(leader)
+        raise
     return failed
 
 

@@ -127,6 +127,35 @@ def test_a_sweep_expands_into_its_single_run_points_as_hydra_reads_it():
                       ["method=ddp", "cluster.workers=8", "method.betas=[0.9,0.99]"]]
 
 
+def test_sweeps_of_fewer_points_than_jobs_share_them_and_a_sweep_without_joblib_runs_alone(tmp_path):
+    """--jobs 2: two one-point sweeps (a D-Lion lr x weight-decay pair each) run side by side, each with n_jobs=1; a
+    two-point sweep takes both jobs; a sweep without the joblib launcher waits for the others and runs alone.
+    The stand-in sweeps record when they ran and the n_jobs they were given."""
+    from distlion.experiment import _run_sweeps
+
+    record = ("import json, sys, time; start = time.time(); time.sleep(1); "
+              "open(sys.argv[-1].split('=')[1], 'w').write(json.dumps([start, time.time(), sys.argv[1:-1]]))")
+
+    def sweep(name: str, points: str, n_jobs: int | None) -> list[str]:
+        launcher = [f"hydra.launcher.n_jobs={n_jobs}"] if n_jobs else []
+        return [sys.executable, "-c", record, "-m", f"seed={points}", *launcher, f"hydra.sweep.dir={tmp_path / name}"]
+
+    assert _run_sweeps([sweep("a", "0", 2), sweep("b", "0", 2), sweep("c", "0,1", 2), sweep("d", "0,1", None),
+                        sweep("e", "0", 2)]) == 0
+    spans = {name: json.loads((tmp_path / name).read_text()) for name in "abcde"}
+
+    def overlap(x: str, y: str) -> bool:
+        return spans[x][0] < spans[y][1] and spans[y][0] < spans[x][1]
+
+    assert overlap("a", "b") and not overlap("a", "c") and not overlap("b", "c")
+    assert not any(overlap("d", other) for other in "abce")
+    assert [spans[x][2][-1] for x in "abce"] == ["hydra.launcher.n_jobs=1"] * 2 + ["hydra.launcher.n_jobs=2",
+                                                                                   "hydra.launcher.n_jobs=1"]
+    failing = [sys.executable, "-c", "raise SystemExit(1)", "-m", "seed=0", "hydra.launcher.n_jobs=2"]
+    assert _run_sweeps([failing, sweep("f", "0", 2)]) == 1  # counted, and the next sweep still runs
+    assert (tmp_path / "f").exists()
+
+
 NETEM_SPEC = """
 name: linked
 base: [cluster=torchdist, task=digits, cluster.workers=2, cluster.per_worker_batch=8, train.steps=3,
