@@ -61,8 +61,10 @@ class Simulation:
     def params(self) -> list[torch.Tensor]:
         return [p.detach() for p in self._module]
 
-    def step(self, worker_grads: list[list[torch.Tensor]], lr: float | None = None, epoch: float = 0.0) -> StepResult:
-        """One step: `worker_grads[i]` holds worker i's gradient for each parameter, in order."""
+    def step(self, worker_grads: list[list[torch.Tensor]], lr: float | None = None, epoch: float = 0.0,
+             final_sync: bool = False) -> StepResult:
+        """One step: `worker_grads[i]` holds worker i's gradient for each parameter, in order. `final_sync`: the
+        last step, where a local-update method syncs whatever its H (as `train.final_sync` does in a run)."""
         if len(worker_grads) != self.cluster.num_workers:
             raise ValueError(f"got gradients of {len(worker_grads)} workers, expected {self.cluster.num_workers}")
         for worker, per_worker in enumerate(worker_grads):
@@ -72,7 +74,7 @@ class Simulation:
         (dtype,) = self.flat.dtypes
         grads = torch.stack([torch.cat([g.reshape(-1) for g in per_worker]) for per_worker in worker_grads])
         lr = self.method.lr if lr is None else lr
-        bits = self.cluster.step({dtype: grads}, step=self.num_steps, lr=lr, epoch=epoch)
+        bits = self.cluster.step({dtype: grads}, step=self.num_steps, lr=lr, epoch=epoch, final_sync=final_sync)
         self.cluster.finish()  # local-update methods: `params` are the ones that count (e.g. the workers' mean)
         self.num_steps += 1
         return StepResult(self.params, self.cluster.worker_states[dtype], bits.up, bits.down, bits.skipped)

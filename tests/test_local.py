@@ -131,6 +131,17 @@ def test_a_run_ends_on_a_sync_so_the_model_that_counts_has_seen_every_step(make_
         assert summary["bits_per_param_per_sync"] == pytest.approx(64, rel=1e-3)
 
 
+def test_a_simulation_syncs_when_told_it_is_the_last_step():
+    """Simulation.step(final_sync=True) between two of LocalSGD's syncs: the workers send their parameters (32 bits
+    up per parameter) and hold their mean afterwards; without it the step sends nothing."""
+    sim = Simulation("localsgd", [torch.zeros(6)], 3, lr=0.1, sync_every=4, inner="sgd")
+    quiet = sim.step([[torch.randn(6)] for _ in range(3)])
+    ended = sim.step([[torch.randn(6)] for _ in range(3)], final_sync=True)
+    assert quiet.bits_up == [0] * 3 and quiet.bits_down == 0
+    assert ended.bits_up == [32 * 6] * 3 and ended.bits_down == 32 * 6
+    assert all(torch.equal(replica, sim.params[0]) for replica in sim.cluster.replicas[torch.float32])
+
+
 def test_the_last_sync_is_hashed_only_where_it_changes_a_run(make_cfg):
     """Runs made before train.final_sync (which did not sync at the end) keep their hash at false; a method that
     exchanges every step is the same run either way."""
