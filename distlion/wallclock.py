@@ -167,11 +167,13 @@ def modelled_step(run: Run, link: Link, compute: float | None = None) -> float:
     syncs_per_step = 1.0
     if run.get("method.sync_every"):
         syncs_per_step = run.get("syncs", run["steps"] // run["method.sync_every"]) / run["steps"]
-    n = run["num_params"]
-    steps = transfers(run["exchange"], run["bits_up_per_param_per_iter"] / syncs_per_step * n,
-                      run["bits_down_per_param_per_iter"] / syncs_per_step * n, run["workers"])
-    return (compute + times["time_encode"] / workers + times["time_comm"] + times["time_apply"]
-            + comm_seconds(steps, run["workers"], link) * syncs_per_step)
+    comm = 0.0
+    if syncs_per_step:  # (a run shorter than H that never synced sent nothing)
+        n = run["num_params"]
+        steps = transfers(run["exchange"], run["bits_up_per_param_per_iter"] / syncs_per_step * n,
+                          run["bits_down_per_param_per_iter"] / syncs_per_step * n, run["workers"])
+        comm = comm_seconds(steps, run["workers"], link) * syncs_per_step
+    return compute + times["time_encode"] / workers + times["time_comm"] + times["time_apply"] + comm
 
 
 def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:

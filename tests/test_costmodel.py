@@ -166,6 +166,8 @@ def test_a_simulated_run_on_a_link_it_never_used(tmp_path):
     # A run recorded before `syncs` (55 steps at H = 10, the last 5 unsynced): 5 exchanges of 32 bits.
     old = {**run, "steps": 55, "bits_up_per_param_per_iter": 5 * 32 / 55, "bits_down_per_param_per_iter": 5 * 32 / 55}
     assert modelled_step(old, link_of("1gbit")) == pytest.approx(rank + 3 * 4000 * 8 / gbit * 5 / 55)
+    never = {**run, "steps": 5, "syncs": 0, "bits_up_per_param_per_iter": 0.0, "bits_down_per_param_per_iter": 0.0}
+    assert modelled_step(never, link_of("1gbit")) == pytest.approx(rank)  # shorter than H, no final sync
 
 
 def test_modelled_time_takes_one_compute_time_for_every_method(tmp_path):
