@@ -73,8 +73,9 @@ def sweep_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[st
 
 def unfinished(commands: list[list[str]], conf_dir: Path) -> list[list[str]]:
     """The sweep commands with a point still to run: a sweep whose every point has a finished run of its config
-    (by config hash) in its sweep folder is left out, so a rerun of a finished spec launches nothing. A point whose
-    config does not compose here is launched, to fail there with its own message."""
+    (by config hash) in its sweep folder is left out, so a rerun of a finished spec launches nothing, and a sweep
+    with fewer points left than its joblib `n_jobs` asks for only as many (the rest go to the next sweeps; see
+    `_run_sweeps`). A point whose config does not compose here is launched, to fail there with its own message."""
     from hydra import compose, initialize_config_dir
 
     from distlion.runio import config_hash, read_summary
@@ -92,7 +93,7 @@ def unfinished(commands: list[list[str]], conf_dir: Path) -> list[list[str]]:
             except Exception:  # noqa: BLE001 - the run itself reports what is wrong with it
                 left = points = [[]]
             if left:
-                pending.append(command)
+                pending.append(with_n_jobs(command, min(len(left), sweep_slots(command) or 1)))
             else:
                 skipped_runs += len(points)
     if len(pending) < len(commands):

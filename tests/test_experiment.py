@@ -72,18 +72,22 @@ def test_rerun_skips_finished_runs_and_keeps_their_files(sweeps):
 
 def test_a_sweep_whose_runs_are_all_finished_is_not_launched(sweeps, tmp_path):
     """Rerunning a finished spec starts no process; a sweep with one run missing is launched again (its finished
-    runs skip themselves there)."""
-    from distlion.experiment import CONF, sweep_commands, unfinished
+    runs skip themselves there), asking the joblib launcher for one job, not the 4 of --jobs 4, so that the other
+    jobs go to the sweeps after it."""
+    from distlion.experiment import CONF, sweep_commands, unfinished, with_n_jobs
 
     spec, sequential, _ = sweeps
     runs = sequential / "runs" / "tiny"
     commands = sweep_commands(yaml.safe_load(spec.read_text()), [], runs)
-    assert unfinished(commands, CONF) == []
+    parallel = sweep_commands(yaml.safe_load(spec.read_text()), ["hydra/launcher=joblib", "hydra.launcher.n_jobs=4"],
+                              runs)
+    assert unfinished(commands, CONF) == [] and unfinished(parallel, CONF) == []
     moved = next(runs.glob("*/summary.json"))
     shutil.copytree(moved.parent, tmp_path / "kept")
     moved.unlink()
     try:
         assert unfinished(commands, CONF) == commands
+        assert unfinished(parallel, CONF) == [with_n_jobs(parallel[0], 1)] != parallel
     finally:
         shutil.copy2(tmp_path / "kept" / "summary.json", moved)
 
