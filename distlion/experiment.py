@@ -93,7 +93,8 @@ def unfinished(commands: list[list[str]], conf_dir: Path) -> list[list[str]]:
             except Exception:  # noqa: BLE001 - the run itself reports what is wrong with it
                 left = points = [[]]
             if left:
-                pending.append(with_n_jobs(command, min(len(left), sweep_slots(command) or 1)))
+                n_jobs = launcher_jobs(command)
+                pending.append(command if n_jobs is None else with_n_jobs(command, min(n_jobs, len(left))))
             else:
                 skipped_runs += len(points)
     if len(pending) < len(commands):
@@ -185,14 +186,20 @@ def end_sweep(leader: subprocess.Popen) -> None:
     leader.wait()
 
 
+def launcher_jobs(command: list[str]) -> int | None:
+    """The sweep's joblib `n_jobs` (the last one given); None without that launcher."""
+    n_jobs = [int(o.split("=", 1)[1]) for o in command if o.startswith("hydra.launcher.n_jobs=")]
+    return n_jobs[-1] if n_jobs else None
+
+
 def sweep_slots(command: list[str]) -> int | None:
     """How many of the sweep's points run at once: its joblib `n_jobs`, at most its number of points; None for a
     sweep without that launcher (it runs alone)."""
-    n_jobs = [int(o.split("=", 1)[1]) for o in command if o.startswith("hydra.launcher.n_jobs=")]
-    if not n_jobs:
+    n_jobs = launcher_jobs(command)
+    if n_jobs is None:
         return None
     overrides = command[command.index("-m", 3) + 1:]
-    return max(1, min(n_jobs[-1], len(sweep_points(shlex.join(o for o in overrides if not o.startswith("hydra"))))))
+    return max(1, min(n_jobs, len(sweep_points(shlex.join(o for o in overrides if not o.startswith("hydra"))))))
 
 
 def with_n_jobs(command: list[str], n_jobs: int) -> list[str]:
