@@ -253,17 +253,28 @@ def step_time_table(runs: list[Run]) -> str:
             + header + "\n|---|" + "---:|" * (len(PHASE_COLUMNS) + 1) + "\n" + "\n".join(rows) + "\n")
 
 
+def _between_syncs(run: Run) -> list[dict]:
+    """The run's evaluations that fall between syncs. At a sync step (every `method.sync_every`-th, and the
+    last with `final_sync`) every worker holds the model that counts, so drift and gap are 0 by construction."""
+    every, end = run.get("method.sync_every"), run["curve"][-1]["step"] if run["curve"] else 0
+    if not every:
+        return run["curve"]
+    return [p for p in run["curve"] if p["step"] % every and not (p["step"] == end and run.get("final_sync"))]
+
+
 def _averaging_gain(run: Run, key: str, local: str) -> float | None:
     """The model that counts minus the mean of the workers' own models (metric `key`), averaged over the
-    evaluations that scored both on the same examples: all but the end, which scores the model that counts on the
-    whole validation split and the workers' on `task.val_examples`."""
-    gaps = [p[key] - p[local] for p in run["curve"][:-1] if local in p]
+    evaluations between syncs that scored both on the same examples: all but the end, which scores the model
+    that counts on the whole validation split and the workers' on `task.val_examples`."""
+    end = run["curve"][-1]["step"] if run["curve"] else 0
+    gaps = [p[key] - p[local] for p in _between_syncs(run) if local in p and p["step"] != end]
     return statistics.fmean(gaps) if gaps else None
 
 
 def _mean_drift(run: Run) -> float | None:
-    """The worker drift averaged over the run's evaluations (each at its own distance from the last sync)."""
-    drifts = [p["worker_drift"] for p in run["curve"] if "worker_drift" in p]
+    """The worker drift averaged over the run's evaluations between syncs (each at its own distance from the
+    last sync)."""
+    drifts = [p["worker_drift"] for p in _between_syncs(run) if "worker_drift" in p]
     return statistics.fmean(drifts) if drifts else None
 
 
@@ -298,7 +309,9 @@ def diagnostics_table(runs: list[Run]) -> str:
     return ("Diagnostics, mean ± std over seeds. Local updates: the model that counts minus the mean of the "
             f"workers' own models, in {metric.display} on the same validation examples, averaged over the "
             "evaluations before the end that scored both (`train.local_eval_every`); the worker drift (mean L2 "
-            "distance of their parameters from their average) averaged over all evaluations. Sign methods: the "
+            "distance of their parameters from their average) averaged over the evaluations. Both leave out the "
+            "evaluations at a sync step, where every worker holds the model that counts (— when every one "
+            "fell there). Sign methods: the "
             "vote agreement, the % of the workers' signs equal to the voted sign, averaged over the logged steps of "
             "the run's second half, beside what N independent fair signs would give (a coin-flip vote; above 50%, "
             "as the majority is made of the signs it is compared with):\n\n"

@@ -231,3 +231,17 @@ def test_the_fault_table_puts_honest_runs_at_k0_of_every_kind_and_averages_seeds
     assert report.fault_table([r for r in runs if not r["faults_k"]]) == ""  # no faulty workers: no table
     report.write_report(tmp_path, tmp_path / "out")
     assert (tmp_path / "out" / "metric_vs_faults.png").exists()
+
+
+@pytest.mark.parametrize("run, steps", [
+    ({"method.sync_every": 10, "final_sync": True}, [5, 15]),
+    ({"method.sync_every": 10, "final_sync": False}, [5, 15, 17]),
+    ({}, [5, 10, 15, 17]),
+])
+def test_replica_diagnostics_read_only_the_evaluations_between_syncs(run, steps):
+    """At a sync step (every H-th, and the last with `final_sync`) the workers hold the model that counts, so the
+    drift and the averaging gain there are 0 by construction and would pull the means towards 0."""
+    curve = [{"step": s, "worker_drift": 1.0 if s in steps else 0.0} for s in (5, 10, 15, 17)]
+    run = {**run, "curve": curve}
+    assert [p["step"] for p in report._between_syncs(run)] == steps
+    assert report._mean_drift(run) == 1.0
