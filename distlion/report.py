@@ -711,7 +711,7 @@ def _draw_references(ax: Axes, runs: list[Run], metric: Metric) -> None:
         ax.axhline(metric.scale * value, color="gray", ls="--", lw=1, label=f"{ref.display}: {value:.{ref.decimals}f}")
 
 
-def _save(fig: Any, ax: Axes, path: Path, xlabel: str, ylabel: str) -> Axes:
+def save_plot(fig: Any, ax: Axes, path: Path, xlabel: str, ylabel: str) -> Axes:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -768,7 +768,7 @@ def _plot_curves(runs: list[Run], path: Path, x: str, y: str, scale: float, xlab
         ax.axhline(level, color="gray", ls=style, lw=1, label=label)
     if log_x:
         ax.set_xscale("log")
-    return _save(fig, ax, path, xlabel, ylabel)
+    return save_plot(fig, ax, path, xlabel, ylabel)
 
 
 def plot_metric_curves(runs: list[Run], path: Path) -> Axes:
@@ -846,7 +846,7 @@ def plot_metric_vs_bits_per_iter(runs: list[Run], path: Path) -> Axes:
     _draw_references(ax, runs, metric)
     ax.set_title(_seeds_note(groups, "error bars"), fontsize=9)
     ax.set_xscale("log", base=2)
-    return _save(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
+    return save_plot(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
                  metric.display)
 
 
@@ -866,7 +866,7 @@ def plot_metric_vs_workers(runs: list[Run], path: Path) -> Axes:
         ax.errorbar(xs, ys, yerr=es, capsize=3, label=legend_text(keys, values), **styles[values])
     ax.set_title(_seeds_note(group_runs(runs), "error bars"), fontsize=9)
     ax.set_xscale("log", base=2)
-    return _save(fig, ax, path, "workers", metric.display)
+    return save_plot(fig, ax, path, "workers", metric.display)
 
 
 def _intro(runs: list[Run]) -> str:

@@ -30,8 +30,10 @@ from distlion.report import (
     first_reaching,
     group_runs,
     legend_text,
+    line_styles,
     load_runs,
     mean_curve,
+    save_plot,
     steady_phase_times,
     varying_keys,
 )
@@ -206,19 +208,16 @@ def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:
         shape = (members[0]["task"], members[0]["workers"], members[0]["per_worker_batch"])
         cells = [f"{statistics.fmean(seconds(r, link) for r in members):.4f}" for link in links]
         lines.append(f"| {legend_text(keys, values)} | {compute[shape]:.4f} | " + " | ".join(cells) + " |")
+    styles = line_styles(keys, groups)  # the other plots' colour per method, so dozens of groups stay legible
     for link in links:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for values, members in groups.items():
             steps, means, _ = mean_curve(members, "step", metric.key)
             per_step = statistics.fmean(seconds(r, link) for r in members)
-            ax.plot([s * per_step for s in steps], [metric.scale * m for m in means], marker="o", markersize=3,
-                    label=legend_text(keys, values))
-        ax.set_xlabel(f"modelled training time on {link} links (s)")
-        ax.set_ylabel(metric.display)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.savefig(out / f"metric_vs_modelled_time_{link}.png", dpi=120, bbox_inches="tight")
-        plt.close(fig)
+            ax.plot([s * per_step for s in steps], [metric.scale * m for m in means], markersize=3, lw=1,
+                    markevery=max(1, len(steps) // 10), label=legend_text(keys, values), **styles[values])
+        save_plot(fig, ax, out / f"metric_vs_modelled_time_{link}.png",
+                  f"modelled training time on {link} links (s)", metric.display)
         lines.append(f"\n![{metric.display} against modelled time, {link}](metric_vs_modelled_time_{link}.png)")
     markdown = "\n".join(lines) + "\n"
     (out / "modelled_time.md").write_text(markdown)
