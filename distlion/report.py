@@ -712,6 +712,7 @@ def _draw_references(ax: Axes, runs: list[Run], metric: Metric) -> None:
 
 
 def save_plot(fig: Any, ax: Axes, path: Path, xlabel: str, ylabel: str) -> Axes:
+    """Label, grid and legend (outside the axes) for every report plot, then write it to `path` and close it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -847,7 +848,7 @@ def plot_metric_vs_bits_per_iter(runs: list[Run], path: Path) -> Axes:
     ax.set_title(_seeds_note(groups, "error bars"), fontsize=9)
     ax.set_xscale("log", base=2)
     return save_plot(fig, ax, path, "bits per parameter per iteration (worker -> server + server -> worker)",
-                 metric.display)
+                     metric.display)
 
 
 def plot_metric_vs_workers(runs: list[Run], path: Path) -> Axes:
