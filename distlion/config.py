@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from distlion.amp import amp_dtype
 from distlion.cluster import BACKENDS
 from distlion.cluster.base import check_workers
 from distlion.cluster.grads import STRATEGIES
+from distlion.device import resolve_device, resolve_dist_backend
 from distlion.methods import build_method
 from distlion.methods.base import Method
 from distlion.methods.step import NONFINITE_POLICIES
@@ -89,6 +92,24 @@ def validate(cfg: DictConfig) -> Method:
         _whole("eval.batch_size", fewshot.batch_size, 1)
     if not isinstance(train.master_weights, bool):
         raise ConfigError(f"train.master_weights={train.master_weights!r} must be true or false")
+    try:
+        device = resolve_device(train.get("device", "auto"))
+        amp = amp_dtype(train.get("amp", "none"))
+        if cfg.cluster.backend == "torchdist":
+            resolve_dist_backend(cfg.cluster.get("dist_backend", "auto"), device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if amp is not None and train.dtype != "float32":
+        raise ConfigError(f"train.amp={train.amp} computes in {train.amp} on fp32 parameters, train.dtype="
+                          f"{train.dtype} makes the parameters low precision: set one of them (README, 'Precision')")
+    if amp == torch.float16 and method.exchange == "in_backward":  # its hook would exchange scaled gradients
+        raise ConfigError(f"train.amp=fp16: method={cfg.method.name} exchanges inside backward, before the loss scale "
+                          "is taken out and an overflow can skip the step; use train.amp=bf16")
+    if not isinstance(train.get("compile", False), bool):
+        raise ConfigError(f"train.compile={train.compile!r} must be true or false")
+    if train.get("compile", False) and cfg.cluster.grad_strategy != "sequential":
+        raise ConfigError(f"train.compile=true compiles the model's own forward, which cluster.grad_strategy="
+                          f"{cfg.cluster.grad_strategy} replaces per layer; use cluster.grad_strategy=sequential")
     if train.nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"train.nonfinite={train.nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
     return method

@@ -16,6 +16,7 @@ as a world of one, where it is Lion (timm's, up to the sign(0) tie rule).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,7 +38,9 @@ class DistributedLion(torch.optim.Optimizer):
     Every rank must construct it over the same parameters in the same order. Parameters are
     exchanged per param group and per (device, dtype) as one flat buffer. `lr`, `betas` and
     `weight_decay` are read from the param groups at every step, so a learning-rate scheduler
-    reaches them. Momentum ("exp_avg") is per rank: every rank saves its own state_dict.
+    reaches them. `lr` may be 0, as torch's optimizers' may (a warm-up from 0): such a step moves no
+    parameter and updates the momenta; a negative or non-finite one raises, naming `lr`. Momentum
+    ("exp_avg") is per rank: every rank saves its own state_dict.
     `zero_sign` and `mavo_tie` are the tie rules of `DLion`. `wire` counts the bytes this rank's
     collectives moved.
 
@@ -76,7 +79,8 @@ class DistributedLion(torch.optim.Optimizer):
         master_weights: bool = False,
         check_ranks: bool = True,
     ):
-        DLion(lr, betas, weight_decay, aggregation, zero_sign, mavo_tie)  # validates the settings
+        _check_lr(lr)
+        DLion(_RULE_LR, betas, weight_decay, aggregation, zero_sign, mavo_tie)  # validates the other settings
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_POLICIES}")
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "aggregation": aggregation,
@@ -91,6 +95,10 @@ class DistributedLion(torch.optim.Optimizer):
             warnings.warn(f"DistributedLion: {low[0]} parameters lose updates below their rounding step (an lr of "
                           "1e-4 on a weight near 1 in bf16 is lost every step); pass master_weights=True",
                           stacklevel=2)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _check_lr(self.param_groups[-1]["lr"], len(self.param_groups) - 1)
 
     def _init_runtime(self) -> None:
         """What is rebuilt rather than copied: the collectives and the flat momentum buffers."""
@@ -164,6 +172,8 @@ class DistributedLion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, group in enumerate(self.param_groups):  # (a scheduler may have set any lr) before any update
+            _check_lr(group["lr"], index)
         if self._unchecked:
             self._check_ranks_differ()
         for index, group in enumerate(self.param_groups):
@@ -288,7 +298,7 @@ class DistributedLion(torch.optim.Optimizer):
         grad = torch.cat([(torch.zeros_like(w) if p.grad is None else p.grad.to(dtype)).reshape(-1)
                           for p, w in zip(params, weights, strict=True)])
         layout = _layout(group, params)
-        rule = DLion(float(group["lr"]), group["betas"], group["weight_decay"], group["aggregation"],
+        rule = DLion(_RULE_LR, group["betas"], group["weight_decay"], group["aggregation"],
                      group["zero_sign"], group["mavo_tie"]).bind(x, comm.world_size, layout)
         ctx = StepContext(step=step, lr=float(group["lr"]), num_workers=comm.world_size)
         local = BufferWorkers([rule], [{"momentum": momentum}])
@@ -301,6 +311,20 @@ class DistributedLion(torch.optim.Optimizer):
                 self.state[p]["master"].copy_(new.view_as(p))
             p.copy_(new.view_as(p))  # rounds to a low-precision parameter's dtype
             self.state[p]["step"] = step + 1
+
+
+# The lr a step's DLion rule is built with. The rule never reads it: each step passes the group's lr in its
+# StepContext, which may be 0 here, while DLion, as a config's method, refuses an lr that trains nothing.
+_RULE_LR = 1.0
+
+
+def _check_lr(lr: Any, group: int | None = None) -> None:
+    """An lr of 0 moves nothing, as in torch's optimizers (a warm-up's first step); a negative or non-finite one
+    is a mistake. Named `lr`, as the caller passed it (not `method.lr`, a config's setting)."""
+    value = float(lr)
+    if not (math.isfinite(value) and value >= 0):  # (NaN fails both)
+        where = "" if group is None else f" of param group {group}"
+        raise ValueError(f"DistributedLion: lr={value}{where} must be finite and >= 0 (0 moves no parameter)")
 
 
 def _layout(group: dict[str, Any], params: list[torch.Tensor]) -> list[Segment]:
@@ -378,6 +402,6 @@ class _FlatBucket:
         settings = (tuple(group["betas"]), group["weight_decay"], group["aggregation"], group["zero_sign"],
                     group["mavo_tie"], world_size)
         if settings != self._settings:
-            self._rule = DLion(float(group["lr"]), *settings[:-1]).bind(self.x, world_size, self.layout)
+            self._rule = DLion(_RULE_LR, *settings[:-1]).bind(self.x, world_size, self.layout)
             self._settings = settings
         return self._rule

@@ -23,6 +23,8 @@ from typing import IO, Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from distlion.device import resolve_device
+
 # Settings that change where or how a run is reported, not what it computes.
 # train.nonfinite: a run that finished under "error" had no non-finite gradient, so it is the same run
 # under "skip" (a run that skipped steps says so in its summary).
@@ -30,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 # applies to finished runs).
 _NOT_HASHED = ("logger", "experiment", "task.name", "task.target", "train.progress", "train.log_every",
                "train.checkpoint_every", "train.threads", "train.nonfinite", "train.local_eval_every",
-               "cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")  # where ranks run, not what
+               "cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node",  # where ranks run, not what
+               "cluster.dist_backend")  # how ranks talk: every collective moves the same bytes (the device is hashed)
 
 
 #: Longest run directory name kept as Hydra writes it: a file name holds 255 bytes, so every name a run could
@@ -66,6 +69,18 @@ def config_hash(cfg: DictConfig) -> str:
     # tuning trial without it is another run, so a final run is never skipped as the trial's finished twin.
     if config.get("train", {}).get("test_eval", True):
         not_hashed.append("train.test_eval")
+    # The device: a CPU run (all runs made before the setting) keeps its hash; a CUDA run is another run (its float
+    # ops differ), whichever GPU index it took. Mixed precision and compilation likewise count only when on.
+    train = config.get("train", {})
+    if "device" in train:
+        device = str(train["device"])
+        train["device"] = resolve_device(device).type if device == "auto" else device.partition(":")[0]
+        if train["device"] == "cpu":
+            not_hashed.append("train.device")
+    if train.get("amp", "none") == "none":
+        not_hashed.append("train.amp")
+    if not train.get("compile", False):
+        not_hashed.append("train.compile")
     if config.get("cluster", {}).get("link") is None:  # runs made before links keep their hash
         not_hashed.append("cluster.link")
     # Outputs added later (a saved model, few-shot scores): a run without them keeps its hash, and one that asks
@@ -309,7 +324,8 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():  # e.g. torch's pickle-protocol notice: the reason says what matters
             warnings.simplefilter("ignore")
-            checkpoint = torch.load(path, weights_only=True)
+            # Onto the CPU, so a checkpoint a GPU run wrote reads anywhere (the runner moves it to its device).
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a damaged file fails in many ways: EOFError, RuntimeError, OSError, KeyError...
         raise CheckpointUnreadable(_reason(err)) from err
     if not isinstance(checkpoint, dict) or not {"config_hash", "step"} <= checkpoint.keys():

@@ -22,7 +22,7 @@ class LRSchedule:
         if warmup_steps > total_steps:
             raise ValueError(f"schedule.warmup_steps={warmup_steps} is longer than the run ({total_steps} steps); "
                              "lower it or train longer")
-        self._carrier = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
+        self._carrier = torch.optim.SGD([torch.zeros(1, requires_grad=True, device="cpu")], lr=base_lr)
         self._scheduler = CosineLRScheduler(
             self._carrier,
             t_initial=max(total_steps - warmup_steps, 1) if name == "cosine" else 10**12,

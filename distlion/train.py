@@ -24,14 +24,17 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from tqdm import tqdm
 
+from distlion.amp import LossScale, amp_dtype, autocast_loss, unscale
 from distlion.cli import run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
 from distlion.cluster.jobs import Preemption, export_rank_environment
 from distlion.cluster.sampler import ShardedSampler, build_shards, shard_record
 from distlion.config import LINK_ENV, ConfigError, validate
+from distlion.device import configure_backends, describe, resolve_device
 from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import Method, variant_of
@@ -54,8 +57,9 @@ class Run:
     steps: int
 
 
-def build_run(cfg: DictConfig, method: Method) -> Run:
-    """Task, model, flat parameters, cluster and sampler of a validated config and its built method."""
+def build_run(cfg: DictConfig, method: Method, device: torch.device | None = None) -> Run:
+    """Task, model, flat parameters, cluster and sampler of a validated config and its built method, on `device`
+    (the CPU by default)."""
     task = build_task(cfg.task, cfg.model)
     if cfg.get("eval") and cfg.eval.tasks and not hasattr(task, "fewshot"):
         raise ConfigError(f"eval.tasks={list(cfg.eval.tasks)}: few-shot evaluation is for LM tasks, not task "
@@ -71,7 +75,7 @@ def build_run(cfg: DictConfig, method: Method) -> Run:
     steps = cfg.train.steps if cfg.train.steps is not None else math.ceil(cfg.train.epochs * sampler.steps_per_epoch)
     method.check_run(steps / sampler.steps_per_epoch)
     torch.manual_seed(cfg.seed)
-    model = task.build_model()
+    model = task.build_model().to(device or "cpu")
     model.train()
     dtype = getattr(torch, cfg.train.dtype)
     if dtype != torch.float32:
@@ -79,6 +83,8 @@ def build_run(cfg: DictConfig, method: Method) -> Run:
         # Floating inputs (images) follow the parameters; token ids stay integers.
         model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=dtype), with_kwargs=True)
     flat = FlatParams(model)
+    if cfg.train.get("compile"):
+        model.compile()  # in place: the parameters stay the flat buffers' views
     cluster = build_cluster(cfg.cluster, method, flat, cfg.seed, cfg.train.nonfinite, cfg.train.master_weights)
     return Run(task, model, flat, cluster, sampler, steps)
 
@@ -90,13 +96,22 @@ def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtyp
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
-def worker_batches(task: Task, sampler: ShardedSampler, workers: list[int], step: int, seed: int):
-    """The rows of `workers` in step `step`, worker after worker. Each worker augments its batch with
-    its own generator (seed, step, worker), so a rank under torch.distributed draws what the same
-    worker draws in the simulated cluster."""
+def worker_batches(task: Task, sampler: ShardedSampler, workers: list[int], step: int, seed: int,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of `workers` in step `step`, worker after worker, on `device`. Each worker augments its batch
+    on the CPU with its own generator (seed, step, worker), so a rank under torch.distributed draws what the
+    same worker draws in the simulated cluster, on any device."""
     indices = sampler.indices(step)
     batches = [task.train_batch(indices[w], torch.Generator().manual_seed(derive_seed(seed, step, w))) for w in workers]
-    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    inputs, targets = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    return to_device(inputs, device), to_device(targets, device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A CPU batch on `device`: to a GPU from pinned memory without blocking (the copy overlaps queued work)."""
+    if device is None or device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -118,11 +133,16 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     """Algorithm 1, step after step: batch -> per-worker gradients -> cluster step -> metrics."""
     if cfg.train.get("threads"):
         torch.set_num_threads(cfg.train.threads)
-    r = build_run(cfg, method)
+    device = resolve_device(cfg.train.get("device", "auto"))
+    configure_backends(device)
+    r = build_run(cfg, method, device)
     task, model, flat, cluster = r.task, r.model, r.flat, r.cluster
     sampler, steps = r.sampler, r.steps
     schedule = LRSchedule(method.lr, steps, **cfg.schedule)
     compute_grads = cluster.gradients(model, cfg.cluster.grad_strategy)
+    amp = amp_dtype(cfg.train.get("amp", "none"))
+    scaler = LossScale() if amp == torch.float16 else None
+    per_example_loss = autocast_loss(task.per_example_loss, device, amp, scaler)
     eval_every = cfg.train.eval_every or max(1, steps // cfg.train.num_evals)
     local_eval_every = cfg.train.get("local_eval_every", 1)
     workers, suffix = cfg.cluster.workers, cluster.backend.shard_suffix
@@ -130,8 +150,10 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     start_step, wall_time, bits = 0, 0.0, BitsTally(flat.numel)
     checkpoint = _agreed_checkpoint(directory, suffix, cluster)
     if checkpoint is not None:
-        start_step, wall_time, bits = _restore(checkpoint, flat, cluster)
-        print(f"distlion: resuming {directory.path} from step {start_step}", file=sys.stderr)
+        start_step, wall_time, bits = _restore(checkpoint, flat, cluster, scaler)
+        print(f"distlion: resuming {directory.path} from step {start_step} on {describe(device)}", file=sys.stderr)
+    else:
+        print(f"distlion: training on {describe(device)}", file=sys.stderr)
     resume_gap = method.resume_gap() if checkpoint is not None else None
     if resume_gap is not None:
         print(f"distlion: warning: this resumed run differs from an uninterrupted one: {resume_gap}", file=sys.stderr)
@@ -149,7 +171,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     last_eval: dict[str, float] = {}
     evals_done = start_step // eval_every  # a resumed run keeps counting where it left off
     clock = StepClock()
-    preemption = Preemption()  # a submitit job's preemption notice: checkpoint at an agreed step, then requeue
+    preemption = Preemption(device)  # a submitit job's preemption notice: checkpoint at an agreed step, then requeue
     try:
         bar = tqdm(range(start_step, steps), initial=start_step, total=steps,
                    disable=not (cfg.train.progress and cluster.is_main),
@@ -157,13 +179,16 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
         with directory.open_metrics(start_step) if cluster.is_main else open(os.devnull, "w") as metrics_file:
             for step in bar:
                 step_start = time.perf_counter()
-                inputs, targets = worker_batches(task, sampler, cluster.local_workers, step, cfg.seed)
+                inputs, targets = worker_batches(task, sampler, cluster.local_workers, step, cfg.seed, device)
                 timer = PhaseTimer(flat.device, ("compute",))
                 with timer.phase("compute"):
-                    grads, losses = compute_grads(model, flat, task.per_example_loss, inputs, targets,
+                    grads, losses = compute_grads(model, flat, per_example_loss, inputs, targets,
                                                   len(cluster.local_workers))
+                if scaler is not None:
+                    unscale(scaler, grads, losses)
                 loss = cluster.mean_loss(losses)
-                if not math.isfinite(loss) and cfg.train.nonfinite == "error":
+                # (fp16: an overflow is the loss scale's to handle: the step is skipped everywhere)
+                if not math.isfinite(loss) and cfg.train.nonfinite == "error" and scaler is None:
                     raise FloatingPointError(
                         f"train loss is {loss} at step {step}; lower method.lr (now {method.lr}) or check the data"
                     )
@@ -172,7 +197,10 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 evaluate = (step + 1) % eval_every == 0 or is_last
                 logged = evaluate or (step + 1) % cfg.train.log_every == 0
                 step_bits = cluster.step(grads, step=step, lr=lr, epoch=sampler.epoch(step), diagnose=logged,
-                                         final_sync=is_last and cfg.train.final_sync)
+                                         final_sync=is_last and cfg.train.final_sync,
+                                         nonfinite="skip" if scaler is not None else None)
+                if scaler is not None:
+                    scaler.update(step_bits.skipped)
                 clock.add(step_times(timer.times, getattr(compute_grads, "last_times", {}), step_bits.times,
                                      time.perf_counter() - step_start))
                 record = {"step": step + 1, "epoch": sampler.epoch(step + 1), "lr": lr, "train_loss": loss,
@@ -188,6 +216,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                     cluster.finish()  # with replicas: the model keeps the parameters that count
                 if logged:
                     record.update(clock.means())
+                    if scaler is not None:
+                        record["loss_scale"] = scaler.scale
                     record["wall_time"] = time.time() - start_time
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
@@ -198,7 +228,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 if preempted or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0
                                  and not is_last):
                     directory.save_checkpoint(suffix, _checkpoint(step + 1, time.time() - start_time, bits, flat,
-                                                                  cluster))
+                                                                  cluster, scaler))
                 if preempted:
                     preemption.requeue()
         summary = {
@@ -229,6 +259,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             # Methods that sync every H steps: their bits per sync too (the per-iteration mean is the paper's axis).
             **sync_summary(method, bits.cum_bits_per_param, steps, cfg.train.final_sync),
             "wall_time": time.time() - start_time,
+            "device": describe(device),
+            **({"amp": cfg.train.amp} if amp is not None else {}),
             **({"resume_inexact": resume_gap} if resume_gap is not None else {}),
             "params_sha256": params_digest(flat),
             "config_hash": directory.config_hash,
@@ -318,7 +350,7 @@ def replica_diagnostics(task: Task, model: nn.Module, flat: FlatParams,
     averaged over workers (`<metric>_local_mean`; on `val_examples` of the split). The model holds its parameters
     again afterwards."""
     held = {d: b.clone() for d, b in flat.buffers.items()}
-    distances = torch.zeros(len(workers_params))
+    distances = torch.zeros(len(workers_params), device=flat.device)
     for dtype in held:
         stacked = torch.stack([p[dtype].to(torch.float32) for p in workers_params])
         distances += (stacked - stacked.mean(0)).square().sum(1)
@@ -363,8 +395,10 @@ def _agreed_checkpoint(directory: RunDir, suffix: str, cluster: Cluster) -> dict
     return checkpoint
 
 
-def _checkpoint(step: int, wall_time: float, bits: BitsTally, flat: FlatParams, cluster: Cluster) -> dict[str, Any]:
-    """What resuming at `step` needs: the parameters, the cluster's states, the bit counts, torch's RNG."""
+def _checkpoint(step: int, wall_time: float, bits: BitsTally, flat: FlatParams, cluster: Cluster,
+                scaler: LossScale | None = None) -> dict[str, Any]:
+    """What resuming at `step` needs: the parameters, the cluster's states, the bit counts, torch's RNGs (the
+    CPU's, and on a GPU its own), the loss scale of fp16 runs."""
     return {
         "step": step,
         "wall_time": wall_time,
@@ -372,14 +406,22 @@ def _checkpoint(step: int, wall_time: float, bits: BitsTally, flat: FlatParams, 
         "params": {str(d): b.clone() for d, b in flat.buffers.items()},
         "cluster": cluster.state_dict(),
         "torch_rng": torch.get_rng_state(),
+        **({"cuda_rng": torch.cuda.get_rng_state(flat.device)} if flat.device.type == "cuda" else {}),
+        **({"loss_scale": scaler.state_dict()} if scaler is not None else {}),
     }
 
 
-def _restore(checkpoint: dict[str, Any], flat: FlatParams, cluster: Cluster) -> tuple[int, float, BitsTally]:
+def _restore(checkpoint: dict[str, Any], flat: FlatParams, cluster: Cluster,
+             scaler: LossScale | None = None) -> tuple[int, float, BitsTally]:
+    """Resume from `checkpoint` (read onto the CPU), whichever device wrote it: its tensors go to the run's."""
     for dtype, buffer in flat.buffers.items():
         buffer.copy_(checkpoint["params"][str(dtype)])
-    cluster.load_state_dict(checkpoint["cluster"])
+    cluster.load_state_dict(tree_map_only(torch.Tensor, lambda t: t.to(flat.device), checkpoint["cluster"]))
     torch.set_rng_state(checkpoint["torch_rng"])
+    if flat.device.type == "cuda" and "cuda_rng" in checkpoint:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"], flat.device)
+    if scaler is not None and "loss_scale" in checkpoint:
+        scaler.load_state_dict(checkpoint["loss_scale"])
     return checkpoint["step"], checkpoint["wall_time"], BitsTally(**checkpoint["bits"])
 
 

@@ -14,6 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distlion"
 LAYERS = {
     "distlion.flat": (0, "flat"),
     "distlion.seeding": (0, "seeding"),
+    "distlion.device": (0, "device"),  # train.device, cluster.dist_backend: what every layer places tensors by
+    "distlion.amp": (0, "amp"),
     "distlion.kernels": (0, "kernels"),
     "distlion.tasks": (0, "tasks"),
     "distlion.comm": (1, "comm"),

@@ -89,7 +89,7 @@ def test_an_unreadable_latest_checkpoint_resumes_from_the_previous_one_exactly(m
     warning, resuming = capsys.readouterr().err.splitlines()
     assert warning.startswith(f"distlion: checkpoint {latest} is unreadable (RuntimeError: PytorchStreamReader")
     assert warning.endswith("resuming from the previous one at step 20")
-    assert resuming == f"distlion: resuming {crashed} from step 20"
+    assert resuming == f"distlion: resuming {crashed} from step 20 on cpu"
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["total_bits"] == reference["total_bits"]
     steps = [json.loads(line)["step"] for line in (crashed / "metrics.jsonl").read_text().splitlines()]

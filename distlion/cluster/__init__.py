@@ -27,7 +27,8 @@ def build_cluster(cfg: Any, method: Method, flat: FlatParams, seed: int, nonfini
     if cfg.backend == "simulated":
         return SimulatedCluster(method, flat, cfg.workers, **options)
     if cfg.backend == "torchdist":
-        return TorchDistCluster(method, flat, cfg.workers, dist_backend=cfg.dist_backend, timeout_s=cfg.timeout_s,
+        return TorchDistCluster(method, flat, cfg.workers, dist_backend=cfg.get("dist_backend", "auto"),
+                                timeout_s=cfg.timeout_s,
                                 **options)
     raise ValueError(f"cluster.backend={cfg.backend!r} is unknown; choose one of {BACKENDS}")
 

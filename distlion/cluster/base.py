@@ -95,7 +95,7 @@ class ReplicaGradients:
     def __call__(self, model: torch.nn.Module, flat: FlatParams, per_example_loss: Callable, inputs: torch.Tensor,
                  targets: torch.Tensor, num_workers: int) -> WorkerGrads:
         grads = {d: torch.empty(num_workers, b.numel(), dtype=d, device=b.device) for d, b in flat.buffers.items()}
-        losses = torch.empty(num_workers)
+        losses = torch.empty(num_workers, device=flat.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(num_workers), targets.chunk(num_workers), strict=True)):
             for dtype, replicas in self.replicas.items():
                 flat.buffers[dtype].copy_(replicas[i])
@@ -218,14 +218,15 @@ class Cluster:
         return {dtype: local.states for dtype, local in self.buffers.items()}
 
     def step(self, grads: dict[torch.dtype, torch.Tensor], step: int, lr: float, epoch: float = 0.0,
-             diagnose: bool = False, final_sync: bool = False) -> StepBits:
+             diagnose: bool = False, final_sync: bool = False, nonfinite: str | None = None) -> StepBits:
         """Apply one step given the local workers' flat gradients ({dtype: [local, numel]}). `diagnose`: keep what
-        was exchanged, for `diagnostics`; `final_sync`: the run's last step, where a local-update method syncs too."""
+        was exchanged, for `diagnostics`; `final_sync`: the run's last step, where a local-update method syncs too;
+        `nonfinite`: this step's policy, if not the cluster's (fp16's loss scale skips overflowed steps)."""
         before = self.backend.wire
         ctx = StepContext(step=step, lr=lr, num_workers=self.num_workers, epoch=epoch, seed=self.seed,
                           final_sync=final_sync)
         grads = {d: g.to(torch.float32) if d in self.masters else g for d, g in grads.items()}
-        bits = algorithm1_step(self.buffers, grads, ctx, self.backend, self.nonfinite,
+        bits = algorithm1_step(self.buffers, grads, ctx, self.backend, nonfinite or self.nonfinite,
                                self.faults if self.faults.faulty else None, diagnose)
         for dtype, master in self.masters.items():
             self.flat.buffers[dtype].copy_(master)

@@ -41,7 +41,7 @@ def sequential_worker_grads(
     flat gradient in place with no gather copy.
     """
     grads = _zero_grads(flat, num_workers)
-    losses = torch.empty(num_workers)
+    losses = torch.empty(num_workers, device=flat.device)
     for i, (x, y) in enumerate(zip(inputs.chunk(num_workers), targets.chunk(num_workers), strict=True)):
         for dtype, params in flat.params.items():
             for p, seg in zip(params, flat.layouts[dtype], strict=True):
@@ -211,20 +211,36 @@ def _describe(x: object) -> str:
     return f"of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"of type {type(x).__name__}"
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes matrix products in, where the caller's forward runs under autocast (`train.amp`)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _as_autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None):
+    """A matrix product's operands as autocast casts them (none without autocast): the per-worker backward then
+    computes in that dtype too, as autograd's own backward of the autocast op does. (The gradient of the fp32
+    parameter copies comes back in fp32: autograd casts a gradient to its input's dtype.)"""
+    if dtype is None:
+        return x, weight, bias
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 class _LinearPerWorker(torch.autograd.Function):
     """y = x Wᵀ + b with the shared W; backward splits dW, db by worker (see `batched_worker_grads`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weights: torch.Tensor, biases: torch.Tensor | None):
-        ctx.save_for_backward(x, weights)
-        ctx.has_bias = biases is not None
-        return F.linear(x, weights[0], biases[0] if biases is not None else None)
+        x, weight, bias = _as_autocast(x, weights[0], None if biases is None else biases[0], _autocast_dtype(x))
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.n = biases is not None, weights.shape[0]
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        x, weights = ctx.saved_tensors
-        n = weights.shape[0]
-        grad_x = g @ weights[0] if ctx.needs_input_grad[0] else None
+        x, weight = ctx.saved_tensors
+        n = ctx.n
+        grad_x = g @ weight if ctx.needs_input_grad[0] else None
         g_workers = g.reshape(n, -1, g.shape[-1])
         x_workers = x.reshape(n, -1, x.shape[-1])
         grad_w = torch.bmm(g_workers.transpose(1, 2), x_workers) if ctx.needs_input_grad[1] else None
@@ -259,15 +275,16 @@ class _ConvPerWorker(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weights: torch.Tensor, biases: torch.Tensor | None, m: nn.Module):
-        ctx.save_for_backward(x, weights)
-        ctx.has_bias = biases is not None
+        x, weight, bias = _as_autocast(x, weights[0], None if biases is None else biases[0], _autocast_dtype(x))
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.n = biases is not None, weights.shape[0]
         ctx.args = (m.stride, m.padding, m.dilation, False, (0,) * len(m.stride), m.groups)
-        return torch.convolution(x, weights[0], biases[0] if biases is not None else None, *ctx.args)
+        return torch.convolution(x, weight, bias, *ctx.args)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        x, weights = ctx.saved_tensors
-        n, w = weights.shape[0], weights[0]
+        x, w = ctx.saved_tensors
+        n = ctx.n
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.convolution_backward(g, x, w, None, *ctx.args, [True, False, False])[0]
@@ -289,6 +306,8 @@ class _LayerNormPerWorker(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, gammas: torch.Tensor | None, betas: torch.Tensor | None,
                 shape: tuple[int, ...], eps: float) -> torch.Tensor:
         first = [None if t is None else t[0] for t in (gammas, betas)]
+        if _autocast_dtype(x) is not None:  # autocast runs layer norm in fp32
+            x = x.float()
         y, mean, rstd = torch.native_layer_norm(x, shape, *first, eps)
         ctx.save_for_backward(x, mean, rstd, gammas, betas)
         ctx.shape = shape

@@ -70,8 +70,9 @@ class Preemption:
     requeues the job. Without the agreement rank 0 would leave mid-step and end the others' collectives with an
     error. Outside a submitit job this does nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.active = under_submitit()
+        self.device = device  # of the flag's all-reduce (CUDA for NCCL)
         self.noticed = False
         if self.active:
             from submitit import JobEnvironment
@@ -87,7 +88,7 @@ class Preemption:
         """Whether any rank got the signal (every rank calls this at the same step)."""
         if not self.active:
             return False
-        flag = torch.tensor([int(self.noticed)])
+        flag = torch.tensor([int(self.noticed)], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

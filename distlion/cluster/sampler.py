@@ -42,7 +42,7 @@ class ShardedSampler:
                 f"examples ({num_examples} training examples / {num_workers} workers); lower "
                 "cluster.per_worker_batch or cluster.workers"
             )
-        perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed))
+        perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed), device="cpu")
         self.shards = perm[: shard_size * num_workers].view(num_workers, shard_size)
         self.steps_per_epoch = shard_size // per_worker_batch
         self._epoch = -1
@@ -63,7 +63,7 @@ class ShardedSampler:
             orders = []
             for worker in range(self.num_workers):
                 g = torch.Generator().manual_seed(derive_seed(self.seed, epoch, worker))
-                orders.append(self.shards[worker][torch.randperm(self.shards.shape[1], generator=g)])
+                orders.append(self.shards[worker][torch.randperm(self.shards.shape[1], generator=g, device="cpu")])
             self._order, self._epoch = torch.stack(orders), epoch
         return self._order
 
@@ -75,14 +75,14 @@ class ShardedSampler:
                 self._orders.clear()
             shard = self.given[worker]
             g = torch.Generator().manual_seed(derive_seed(self.seed, epoch, worker))
-            self._orders[key] = shard[torch.randperm(len(shard), generator=g)]
+            self._orders[key] = shard[torch.randperm(len(shard), generator=g, device="cpu")]
         return self._orders[key]
 
     def indices(self, step: int) -> torch.Tensor:
         """Example indices of step `step`, shape [workers, per_worker_batch]."""
         if self.given is not None:
             rows = []
-            stream = torch.arange(step * self.per_worker_batch, (step + 1) * self.per_worker_batch)
+            stream = torch.arange(step * self.per_worker_batch, (step + 1) * self.per_worker_batch, device="cpu")
             for worker, shard in enumerate(self.given):
                 passes, place = stream // len(shard), stream % len(shard)  # a batch may straddle two passes
                 rows.append(torch.cat([self._given_order(worker, int(e))[place[passes == e]] for e in passes.unique()]))

@@ -1,4 +1,4 @@
-"""One worker per torchrun rank: the cluster backend over torch.distributed (gloo on CPU).
+"""One worker per torchrun rank: the cluster backend over torch.distributed (gloo on the CPU, NCCL on GPUs).
 
     torchrun --nproc-per-node 4 -m distlion.train cluster=torchdist task=digits method=dlion
 
@@ -26,30 +26,35 @@ from distlion.cluster.grads import WorkerGrads
 from distlion.comm.collectives import Collectives, WireBytes
 from distlion.comm.exchange import CollectiveExchange
 from distlion.comm.faults import FaultSpec
+from distlion.device import resolve_dist_backend
 from distlion.flat import FlatParams
 from distlion.methods.base import Method
 
 
-def init_process_group(dist_backend: str, timeout_s: float, workers: int) -> bool:
+def init_process_group(dist_backend: str, timeout_s: float, workers: int,
+                       device: torch.device | None = None) -> bool:
     """Join the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), with a timeout on every collective; returns whether this call created it.
 
     An already initialized group is reused (several runs in one process). Without torchrun's
-    variables a world of one is made in memory.
+    variables a world of one is made in memory. On a GPU (`device`) the group is bound to it, so NCCL
+    connects eagerly on the rank's own GPU.
     """
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        bound = {"device_id": device} if device is not None and device.type == "cuda" else {}
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:
             # torchrun's agent serves one store across `--max-restarts` attempts, so a restarted rank could
             # read the dead group's gloo addresses and fail to connect (torch 2.14.1): a prefix per attempt.
             store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
             store = dist.PrefixStore(f"distlion/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-            dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    **bound)
         elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(dist_backend, timeout=timeout)
+            dist.init_process_group(dist_backend, timeout=timeout, **bound)
         elif workers == 1:
             store = dist.HashStore()
-            dist.init_process_group(dist_backend, store=store, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(dist_backend, store=store, rank=0, world_size=1, timeout=timeout, **bound)
         else:
             raise ValueError(
                 f"cluster.backend=torchdist runs one process per worker; launch cluster.workers={workers} of "
@@ -72,14 +77,16 @@ def init_process_group(dist_backend: str, timeout_s: float, workers: int) -> boo
 class TorchDistBackend(CollectiveExchange, Backend):
     """This rank's worker; the server rule distributed over the ranks."""
 
-    def __init__(self, num_workers: int, dist_backend: str = "gloo", timeout_s: float = 300.0):
+    def __init__(self, num_workers: int, dist_backend: str = "auto", timeout_s: float = 300.0,
+                 device: torch.device | str = "cpu"):
         check_workers(num_workers)
         if not timeout_s > 0:
             raise ValueError(f"cluster.timeout_s={timeout_s} must be > 0")
-        if init_process_group(dist_backend, timeout_s, num_workers):
+        device = torch.device(device)
+        if init_process_group(resolve_dist_backend(dist_backend, device), timeout_s, num_workers, device):
             # Destroyed at exit rather than per run: a Hydra multirun reuses the group run after run.
             atexit.register(_destroy_process_group)
-        super().__init__(Collectives(timeout=datetime.timedelta(seconds=timeout_s)))
+        super().__init__(Collectives(timeout=datetime.timedelta(seconds=timeout_s), device=device))
         self.rank = self.comm.rank
         self.is_main = self.rank == 0
         self.shard_suffix = f".rank{self.rank}"
@@ -98,7 +105,8 @@ class TorchDistBackend(CollectiveExchange, Backend):
 
     def agree_start(self, step: int) -> int:
         """Ranks killed at different moments hold checkpoints of different steps: all resume at the earliest."""
-        return min(self.comm.all_gather(torch.tensor([step], dtype=torch.int64)).view(-1).tolist())
+        mine = torch.tensor([step], dtype=torch.int64, device=self.comm.device)
+        return min(self.comm.all_gather(mine).view(-1).tolist())
 
 
 class TorchDistCluster(Cluster):
@@ -110,13 +118,13 @@ class TorchDistCluster(Cluster):
         flat: FlatParams,
         num_workers: int,
         seed: int = 0,
-        dist_backend: str = "gloo",
+        dist_backend: str = "auto",
         timeout_s: float = 300.0,
         nonfinite: str = "error",
         master_weights: bool = False,
         faults: FaultSpec | None = None,
     ):
-        backend = TorchDistBackend(num_workers, dist_backend, timeout_s)
+        backend = TorchDistBackend(num_workers, dist_backend, timeout_s, flat.device)
         super().__init__(method, flat, backend, seed, nonfinite, master_weights, faults)
 
     def gradients(self, model: torch.nn.Module, strategy: str) -> Callable[..., WorkerGrads]:

@@ -67,10 +67,12 @@ def _nbytes(t: torch.Tensor) -> int:
 class Collectives:
     """Counted collectives over one process group (the default group when `group` is None)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None,
+                 device: torch.device | str = "cpu"):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; Collectives.local() is one process")
         self.group = group
+        self.device = torch.device(device)  # where this rank's collective tensors live (CUDA for NCCL)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout = timeout
@@ -78,10 +80,11 @@ class Collectives:
         self.wire = WireBytes()
 
     @classmethod
-    def local(cls) -> Collectives:
+    def local(cls, device: torch.device | str = "cpu") -> Collectives:
         """A world of one process without torch.distributed."""
         comm = cls.__new__(cls)
         comm.group, comm.rank, comm.world_size, comm.timeout = None, 0, 1, None
+        comm.device = torch.device(device)
         comm.distributed = False
         comm.wire = WireBytes()
         return comm

@@ -219,4 +219,5 @@ class CollectiveExchange:
 
     def agree(self, flags: list[bool]) -> list[bool]:
         (flag,) = flags
-        return [bool(f) for f in self.comm.all_gather(torch.tensor([flag], dtype=torch.uint8)).view(-1).tolist()]
+        flags = self.comm.all_gather(torch.tensor([flag], dtype=torch.uint8, device=self.comm.device))
+        return [bool(f) for f in flags.view(-1).tolist()]

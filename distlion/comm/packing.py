@@ -69,7 +69,7 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 @functools.cache
 def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Row b: byte b's 8 bits as +1 (bit set) or -1, in `dtype`."""
-    return ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(dtype).mul_(2).sub_(1).to(device)
+    return ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).to(dtype).mul_(2).sub_(1)
 
 
 def unpack_signs(packed: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:

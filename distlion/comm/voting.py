@@ -121,8 +121,8 @@ def majority_vote_counts(sent: list[torch.Tensor], vote: torch.Tensor, numel: in
     |sum of the N signs| = |2 (#plus) - N|, [N + 1]. The counts `Cluster.diagnostics` sums over processes."""
     signs = [unpack_bits(s, numel) for s in sent]
     voted = unpack_bits(vote, numel)
-    out = {"agree2": torch.tensor(sum(2 * int((s == voted).sum()) for s in signs)),
-           "signs": torch.tensor(len(sent) * numel)}
+    out = {"agree2": sum(2 * (s == voted).sum() for s in signs),  # on the signs' device, one sync at the end
+           "signs": torch.tensor(len(sent) * numel, device=vote.device)}
     if len(sent) == num_workers:
         plus = torch.stack(signs).sum(0)
         out["margins"] = torch.bincount((2 * plus - num_workers).abs(), minlength=num_workers + 1)

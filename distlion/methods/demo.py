@@ -26,9 +26,9 @@ from distlion.methods.base import Method, StepContext, check_fraction
 from distlion.methods.registry import MethodInfo, register
 
 
-def dct_matrix(size: int) -> torch.Tensor:
+def dct_matrix(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The orthonormal DCT-II basis [size, size]: row k is the k-th cosine, so DCT(x) = D x and IDCT = D^T."""
-    j = torch.arange(size, dtype=torch.float64)
+    j = torch.arange(size, dtype=torch.float64, device=device)
     k = j[:, None]
     basis = torch.cos(math.pi * (2 * j + 1) * k / (2 * size)) * math.sqrt(2 / size)
     basis[0] /= math.sqrt(2)
@@ -58,11 +58,11 @@ class DeMo(Method):
         # Where each entry of the flat buffer sits in the chunked layout (each layer padded to whole chunks).
         positions, start = [], 0
         for s in self.layout:
-            positions.append(torch.arange(start, start + s.numel))
+            positions.append(torch.arange(start, start + s.numel, device=params.device))
             start += math.ceil(s.numel / self.chunk) * self.chunk
-        self.positions = torch.cat(positions).to(params.device)
+        self.positions = torch.cat(positions)
         self.num_chunks = start // self.chunk
-        self.basis = dct_matrix(self.chunk).to(params.device)
+        self.basis = dct_matrix(self.chunk, params.device)
         return self
 
     def init_worker_state(self) -> dict[str, torch.Tensor]:

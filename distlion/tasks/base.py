@@ -71,8 +71,8 @@ def split_metrics(measures: tuple[Metric, ...], splits: tuple[str, ...] = ("test
 def evenly_spaced(size: int, examples: int | None) -> torch.Tensor:
     """`examples` evenly spaced indices of range(size), all of them when None or larger."""
     if examples is None or examples >= size:
-        return torch.arange(size)
-    return (torch.arange(examples) * size) // examples
+        return torch.arange(size, device="cpu")
+    return (torch.arange(examples, device="cpu") * size) // examples
 
 
 def stratified_split(labels: torch.Tensor | list[int], val_size: int, seed: int, what: str = "task.val_size"
@@ -84,8 +84,8 @@ def stratified_split(labels: torch.Tensor | list[int], val_size: int, seed: int,
     n = len(labels)
     if not 0 < val_size < n:
         raise ValueError(f"{what}={val_size} must be between 0 and the {n} training examples it is carved from")
-    train, val = train_test_split(torch.arange(n).numpy(), test_size=val_size, random_state=seed,
-                                  stratify=torch.as_tensor(labels).numpy())
+    train, val = train_test_split(torch.arange(n, device="cpu").numpy(), test_size=val_size, random_state=seed,
+                                  stratify=torch.as_tensor(labels, device="cpu").numpy())
     return torch.from_numpy(train).sort().values, torch.from_numpy(val).sort().values
 
 
@@ -165,6 +165,11 @@ class Task(ABC):
         return {SPLIT_PREFIXES[split] + k: v for k, v in values.items()} | self.references()
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model computes: evaluation batches, held on the CPU, go there."""
+    return next(model.parameters()).device
+
+
 CLASSIFICATION_MEASURES = (
     Metric("accuracy", "{} accuracy (%)", "test", higher_is_better=True, scale=100.0, decimals=2),
     Metric("loss", "{} loss (nats)", "test", higher_is_better=False),
@@ -233,9 +238,10 @@ class ClassificationTask(Task):
     def measure(self, model: nn.Module, split: str, indices: torch.Tensor) -> dict[str, float]:
         images, labels = self.split_tensors(split)
         loss_sum, correct = 0.0, 0
+        device = model_device(model)
         for batch in indices.split(self.eval_batch_size):
-            logits = model(self.prepare(images[batch]))
-            y = labels[batch]
+            logits = model(self.prepare(images[batch]).to(device))
+            y = labels[batch].to(device)
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(-1) == y).sum().item()
         return {"loss": loss_sum / len(indices), "accuracy": correct / len(indices)}

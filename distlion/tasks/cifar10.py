@@ -66,8 +66,8 @@ class Cifar10Task(ClassificationTask):
         self.flip = flip
         self.auto_augment = auto_augment
         self.eval_batch_size = eval_batch_size
-        self.mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
-        self.std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+        self.mean = torch.tensor(CIFAR10_MEAN, device="cpu").view(1, 3, 1, 1)
+        self.std = torch.tensor(CIFAR10_STD, device="cpu").view(1, 3, 1, 1)
         self.mixup = None
         if mixup > 0 or cutmix > 0:
             from timm.data import Mixup
@@ -107,7 +107,7 @@ def mixup_pairs(mixup: Any, inputs: torch.Tensor, targets: torch.Tensor, generat
     b = len(targets)
     if b % 2:
         raise ValueError(f"Mixup needs an even batch; the step's batch has {b} examples")
-    order = torch.cat([torch.arange(0, b, 2), torch.arange(b - 1, 0, -2)])
+    order = torch.cat([torch.arange(0, b, 2, device="cpu"), torch.arange(b - 1, 0, -2, device="cpu")])
     with seeded_host_rngs(generator):
         mixed, soft = mixup(inputs[order].clone(), targets[order])
     inverse = torch.argsort(order)
@@ -128,14 +128,15 @@ def random_crop_flip(images: torch.Tensor, padding: int, flip: bool, generator: 
     b, c, h, w = images.shape
     if padding > 0:
         padded = F.pad(images, (padding,) * 4)
-        dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator)
-        dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator)
-        rows = (dy[:, None] + torch.arange(h))[:, None, :, None]
-        cols = (dx[:, None] + torch.arange(w))[:, None, None, :]
-        batch, channel = torch.arange(b)[:, None, None, None], torch.arange(c)[None, :, None, None]
+        dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator, device="cpu")
+        dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator, device="cpu")
+        rows = (dy[:, None] + torch.arange(h, device="cpu"))[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(w, device="cpu"))[:, None, None, :]
+        batch = torch.arange(b, device="cpu")[:, None, None, None]
+        channel = torch.arange(c, device="cpu")[None, :, None, None]
         images = padded[batch, channel, rows, cols]
     if flip:
-        mirror = torch.rand(b, generator=generator) < 0.5
+        mirror = torch.rand(b, generator=generator, device="cpu") < 0.5
         images = torch.where(mirror[:, None, None, None], images.flip(-1), images)
     return images
 

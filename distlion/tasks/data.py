@@ -159,7 +159,7 @@ def _to_chw(image: Image.Image, size: int) -> np.ndarray:
 
 
 def _stack(arrays: list[np.ndarray], labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.from_numpy(np.stack(arrays)), torch.tensor(labels, dtype=torch.long)
+    return torch.from_numpy(np.stack(arrays)), torch.tensor(labels, dtype=torch.long, device="cpu")
 
 
 def _image_column(names: list[str]) -> str:
@@ -215,7 +215,7 @@ def seeded_host_rngs(generator: torch.Generator) -> Iterator[None]:
     timm's RandAugment and Mixup draw from those global RNGs; seeding them from the step's generator
     keeps a batch a pure function of (seed, step), as the sampler promises.
     """
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device="cpu"))
     py_state, np_state = random.getstate(), np.random.get_state()
     random.seed(seed)
     np.random.seed(seed)

@@ -28,10 +28,10 @@ class DigitsTask(ClassificationTask):
 
         # Pixels 0..16 -> roughly zero-mean, unit-scale inputs of shape [1, 8, 8].
         def to_tensor(x):
-            return (torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0 - 0.3) / 0.4
+            return (torch.tensor(x, dtype=torch.float32, device="cpu").view(-1, 1, 8, 8) / 16.0 - 0.3) / 0.4
 
-        pool_x, pool_y = to_tensor(x_train), torch.tensor(y_train, dtype=torch.long)
+        pool_x, pool_y = to_tensor(x_train), torch.tensor(y_train, dtype=torch.long, device="cpu")
         self.train_index, self.val_index = stratified_split(pool_y, val_size, split_seed)
         self.train_x, self.train_y = pool_x[self.train_index], pool_y[self.train_index]
         self.val_x, self.val_y = pool_x[self.val_index], pool_y[self.val_index]
-        self.test_x, self.test_y = to_tensor(x_test), torch.tensor(y_test, dtype=torch.long)
+        self.test_x, self.test_y = to_tensor(x_test), torch.tensor(y_test, dtype=torch.long, device="cpu")

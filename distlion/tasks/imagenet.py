@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Metric, Task, split_metrics, stratified_split
+from distlion.tasks.base import Metric, Task, model_device, split_metrics, stratified_split
 from distlion.tasks.cifar10 import check_image_model, mixup_pairs
 from distlion.tasks.data import hub_id, is_hub_id, missing_data_error, resolve_path, seeded_host_rngs
 
@@ -73,7 +73,7 @@ class ImageNetTask(Task):
         pool, self.num_classes, labels = _image_source(data, train_split)
         self.train_index, self.val_index = stratified_split(labels, val_size, split_seed)
         self.train_set = torch.utils.data.Subset(pool, self.train_index.tolist())
-        self._train_labels = torch.as_tensor(labels)[self.train_index]
+        self._train_labels = torch.as_tensor(labels, device="cpu")[self.train_index]
         self.val_set = torch.utils.data.Subset(pool, self.val_index.tolist())
         self.test_set, _, _ = _image_source(data, test_split)
         self.train_transform = create_transform(image_size, is_training=True, auto_augment=auto_augment,
@@ -113,7 +113,7 @@ class ImageNetTask(Task):
                 image, label = self.train_set[i]
                 images.append(self.train_transform(image))
                 labels.append(label)
-        inputs, targets = torch.stack(images), torch.tensor(labels)
+        inputs, targets = torch.stack(images), torch.tensor(labels, device="cpu")
         if self.mixup is not None:
             return mixup_pairs(self.mixup, inputs, targets, generator)
         return inputs, targets
@@ -127,8 +127,9 @@ class ImageNetTask(Task):
         loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(_Transformed(self.split_source(split), self.eval_transform), indices.tolist()),
             batch_size=self.eval_batch_size, num_workers=self.eval_workers)
-        loss_sum, top1, top5 = 0.0, 0, 0
+        loss_sum, top1, top5, device = 0.0, 0, 0, model_device(model)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             best = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
@@ -183,7 +184,7 @@ def _image_source(spec: str, split: str):
 @contextmanager
 def _seeded_torch(generator: torch.Generator):
     """torchvision's random transforms draw from torch's global RNG: seed it from `generator` for a block."""
-    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device="cpu"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield

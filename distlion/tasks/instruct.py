@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Metric, Task, split_metrics
+from distlion.tasks.base import Metric, Task, model_device, split_metrics
 from distlion.tasks.data import hub_id, is_hub_id, missing_data_error, resolve_path
 from distlion.tasks.lm import pretrained_of, save_pretrained
 from distlion.tasks.tokenizer import PretrainedTokenizer, build_tokenizer
@@ -102,7 +102,7 @@ class InstructionTask(Task):
             raise ValueError(f"task.val_fraction={val_fraction} must be between 0 and 1")
         source = pretrained_of(model)
         train, test = load_records(data, test_fraction)
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(split_seed)).tolist()
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(split_seed), device="cpu").tolist()
         num_val = max(1, int(len(train) * val_fraction))
         val = [train[i] for i in sorted(order[:num_val])]
         train = [train[i] for i in sorted(order[num_val:])]
@@ -134,8 +134,8 @@ class InstructionTask(Task):
             inputs.append(sequence[:-1] + [eot] * pad)
             targets.append(labels[1:] + [IGNORE] * pad)
         shape = (len(inputs), self.block_size)
-        return (torch.tensor(inputs, dtype=torch.long).view(shape),
-                torch.tensor(targets, dtype=torch.long).view(shape)), dropped
+        return (torch.tensor(inputs, dtype=torch.long, device="cpu").view(shape),
+                torch.tensor(targets, dtype=torch.long, device="cpu").view(shape)), dropped
 
     @property
     def num_train(self) -> int:
@@ -162,9 +162,9 @@ class InstructionTask(Task):
     def measure(self, model: nn.Module, split: str, indices: torch.Tensor) -> dict[str, float]:
         """Response-token loss over the examples `indices`, weighted by tokens (as one long response)."""
         inputs, targets = self.examples[split]
-        nats, tokens = 0.0, 0
+        nats, tokens, device = 0.0, 0, model_device(model)
         for batch in indices.split(self.eval_batch_size):
-            x, y = inputs[batch], targets[batch]
+            x, y = inputs[batch].to(device), targets[batch].to(device)
             logits = model(input_ids=x, use_cache=False).logits
             nats += F.cross_entropy(logits.transpose(1, 2), y, ignore_index=IGNORE, reduction="sum").item()
             tokens += int((y != IGNORE).sum())

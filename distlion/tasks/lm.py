@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlion.tasks.base import Metric, Task, split_metrics
+from distlion.tasks.base import Metric, Task, model_device, split_metrics
 from distlion.tasks.data import (
     atomic_save,
     cache_dir,
@@ -172,7 +172,7 @@ class LanguageModelTask(Task):
         """The document each training block starts in (what cluster.shards=by_source splits by)."""
         document = torch.cumsum((self.train_ids == self.tokenizer.eot_id).long(), 0) - (
             self.train_ids == self.tokenizer.eot_id).long()  # an end-of-text token closes its own document
-        return document[torch.arange(self._num_train) * self.block_size]
+        return document[torch.arange(self._num_train, device="cpu") * self.block_size]
 
     @property
     def splits(self) -> dict[str, Any]:
@@ -192,7 +192,7 @@ class LanguageModelTask(Task):
         for doc in self.tokenizer.encode(texts):
             ids.extend(doc)
             ids.append(self.tokenizer.eot_id)
-        tensor = torch.tensor(ids, dtype=torch.int32)
+        tensor = torch.tensor(ids, dtype=torch.int32, device="cpu")
         atomic_save(tensor, path)
         return tensor
 
@@ -212,8 +212,8 @@ class LanguageModelTask(Task):
     def train_batch(self, indices, generator):
         starts = indices * self.block_size
         if self.random_offset:
-            starts = starts + torch.randint(0, self.block_size, (len(indices),), generator=generator)
-        blocks = self.train_ids[starts[:, None] + torch.arange(self.block_size + 1)].long()
+            starts = starts + torch.randint(0, self.block_size, (len(indices),), generator=generator, device="cpu")
+        blocks = self.train_ids[starts[:, None] + torch.arange(self.block_size + 1, device="cpu")].long()
         return blocks[:, :-1], blocks[:, 1:]
 
     def per_example_loss(self, model, inputs, targets):
@@ -222,9 +222,10 @@ class LanguageModelTask(Task):
 
     def measure(self, model: nn.Module, split: str, indices: torch.Tensor) -> dict[str, float]:
         """Mean token loss over the non-overlapping blocks `indices` of the split."""
-        ids, total = self.split_ids(split), 0.0
+        ids, total, device = self.split_ids(split), 0.0, model_device(model)
         for batch in indices.split(self.eval_batch_size):
-            blocks = ids[batch[:, None] * self.block_size + torch.arange(self.block_size + 1)].long()
+            offsets = torch.arange(self.block_size + 1, device="cpu")
+            blocks = ids[batch[:, None] * self.block_size + offsets].long().to(device)
             total += self.per_example_loss(model, blocks[:, :-1], blocks[:, 1:]).sum().item()
         loss = total / len(indices)
         return {"loss": loss, "perplexity": math.exp(loss)}
