@@ -3,7 +3,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: help setup demo test bench lint experiment tune report clean-runs
+.PHONY: help setup demo test bench lint experiment tune estimate report clean-runs
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -33,6 +33,9 @@ experiment: setup  ## run one spec of experiments/: make experiment NAME=demo [J
 
 tune: setup  ## tune a spec with a tuning section, write conf/tuned/, then its final runs: make tune NAME=demo [JOBS=2]
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --tune --jobs $(or $(JOBS),1)
+
+estimate: setup  ## device-hours of a spec on the device at hand, without training: make estimate NAME=cifar10_workers
+	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --estimate
 
 report: setup  ## rebuild a spec's tables and plots from finished runs: make report NAME=demo
 	$(VENV)/bin/distlion-experiment experiments/$(NAME).yaml --report-only

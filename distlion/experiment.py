@@ -13,6 +13,9 @@ A spec with a `pretrain:` section (a list of overrides: one run) runs it first i
 saving its model (`train.save_model=true`); every tuning trial and final run then starts from that model
 (`model=llama_pretrained model.pretrained=<its folder>`): a finetune.
 
+`--estimate` trains nothing: it prints runs x steps x seconds per step = device-hours for the runs' device
+(`train.device`), steps from the runner's own `build_run`, seconds timed on one worker's batch (`distlion.estimate`).
+
 A failing grid point does not stop the others: it is recorded with its reason, the report is built
 from the finished runs and lists it, and the command exits 1. A second copy of a running spec skips
 the points the first one holds. Each sweep runs in its own process group under a small group leader
@@ -285,6 +288,12 @@ def main() -> None:
     parser.add_argument("--conf-dir", type=Path, default=CONF,
                         help="config folder of every run, whose tuned/ the tuning writes (default: conf/; another "
                              "folder starts as a copy of conf/)")
+    parser.add_argument("--estimate", action="store_true",
+                        help="train nothing: print runs x steps x seconds per step = device-hours on the runs' "
+                             "train.device (distlion/estimate.py)")
+    parser.add_argument("--memory", type=float, default=None, metavar="GIB",
+                        help="with --estimate: memory a timed model may take (default: the device's free memory); "
+                             "a model that needs more is timed at a reduced depth")
     args = parser.parse_intermixed_args()  # overrides may follow the options
     path, spec = load_spec(args.spec)
     try:
@@ -292,6 +301,10 @@ def main() -> None:
     except SpecError as err:
         raise SystemExit(f"distlion: error: {path.name}: {err}") from None
     base_dir, results_dir = args.out.resolve() / "runs" / spec["name"], args.out.resolve() / "results" / spec["name"]
+    if args.estimate:  # before anything is written or run
+        from distlion.estimate import main_estimate
+
+        sys.exit(main_estimate(spec, tuning, args.overrides, args.conf_dir, base_dir, args.memory))
     # With a tuning or a pretraining the final runs sit beside them in final/, and the report reads those.
     runs_dir = base_dir / "final" if tuning is not None or "pretrain" in spec else base_dir
     trials_dir = base_dir / "tuning"

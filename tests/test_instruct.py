@@ -86,3 +86,16 @@ def test_records_without_the_fields_are_one_clear_error(make_cfg, tmp_path):
     with pytest.raises(Exception) as err:
         build_task(cfg.task, cfg.model)
     assert "records lack ['instruction', 'output']" in str(err.value.__cause__ or err.value)
+
+
+def test_an_instruction_run_ends_with_few_shot_scores(make_cfg, alpaca, tmp_path):
+    """The paper's finetuning table scores its models 3-shot through lm-eval (lm-eval's task names need their data in
+    the Hugging Face cache; the local tasks read the held-out instructions and responses)."""
+    _, records = alpaca
+    path = tmp_path / "more.json"
+    path.write_text(json.dumps(records * 4))  # a local task needs 42 passages of held-out text
+    summary = run(make_cfg("task=instruct", *TINY_LLAMA, f"task.data={path}", "task.vocab_size=270",
+                           "task.block_size=256", "task.test_fraction=0.5", "cluster.workers=2",
+                           "cluster.per_worker_batch=4", "train.steps=2", "eval.tasks=[lastword]", "eval.limit=6",
+                           "eval.num_fewshot=3"), tmp_path / "run")
+    assert summary["fewshot_acc_lastword"] in {k / 6 for k in range(7)} and summary["fewshot_chance_lastword"] > 0

@@ -116,6 +116,7 @@ class InstructionTask(Task):
                 raise ValueError(f"no {split} example has a response token within task.block_size={block_size}; "
                                  "raise it")
         self.tokens_per_example = block_size
+        self.test_text = "\n\n".join(format_prompt(r) + r["output"] for r in test)  # what local few-shot tasks read
 
     def encode(self, records: list[dict[str, str]]) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """(inputs, targets) [n, block_size]: targets are the next tokens of the response (and its end-of-text),
@@ -170,6 +171,18 @@ class InstructionTask(Task):
             tokens += int((y != IGNORE).sum())
         loss = nats / tokens
         return {"loss": loss, "perplexity": math.exp(loss)}
+
+    def fewshot(self, model: nn.Module, tasks: list[str], num_fewshot: int, limit: int | None = None,
+                batch_size: int = 16) -> dict[str, float]:
+        """Few-shot accuracy through lm-eval (`distlion.tasks.fewshot`): the paper's tasks by their lm-eval names
+        (their data from the Hugging Face cache), or the local tasks on the held-out instructions and responses."""
+        from distlion.tasks.fewshot import evaluate_fewshot
+
+        if not hasattr(self.tokenizer, "to_hf"):
+            raise ValueError(f"eval.tasks needs a tokenizer lm-eval can use; task.tokenizer={self.tokenizer.kind} has "
+                             "none: use task.tokenizer=bpe or a pretrained model's")
+        return evaluate_fewshot(model, self.tokenizer.to_hf(), tasks, self.test_text, num_fewshot, limit, batch_size,
+                                max_length=self.block_size)
 
     def save_model(self, model: nn.Module, path: Path) -> None:
         save_pretrained(model, self.tokenizer, path)
