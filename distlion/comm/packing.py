@@ -14,8 +14,14 @@ import torch
 # A word of 8 bool bytes (element j in byte j) times this constant puts element j at bit 56 + j; the
 # partial products never collide or carry, so the top byte is the packed byte (the int64 wrap is harmless).
 _GATHER = 0x0102040810204080
-# Row b is byte b's 8 bits spread one per byte, read as one int64 word: unpacking is a single gather.
-_SPREAD = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8).view(torch.int64).squeeze(1)
+
+
+@functools.cache
+def _spread(device: torch.device) -> torch.Tensor:
+    """Row b is byte b's 8 bits spread one per byte, read as one int64 word: unpacking is a single gather. One
+    table per device, made once (not copied to a GPU at every unpacking)."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return bits.to(torch.uint8).view(torch.int64).squeeze(1)
 
 
 def packed_size(numel: int) -> int:
@@ -62,7 +68,7 @@ def pack_bits(bits: torch.Tensor, overwrite: bool = False, out: torch.Tensor | N
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of `pack_bits`: uint8 [..., B] -> bool [..., numel]."""
     index = packed.reshape(-1).to(torch.int32)
-    words = torch.index_select(_SPREAD.to(packed.device), 0, index)
+    words = torch.index_select(_spread(packed.device), 0, index)
     return words.view(torch.bool).view(*packed.shape[:-1], 8 * packed.shape[-1])[..., :numel]
 
 

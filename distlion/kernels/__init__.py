@@ -1,10 +1,12 @@
-"""Fused CPU kernels in C, built on first use with the system's C compiler and called through ctypes.
+"""Fused kernels: in C for the CPU, built on first use with the system's C compiler and called through ctypes, and
+in Triton for CUDA (`dlion_triton.py`, compiled by Triton on first launch).
 
 They are an optimization only, never a different result: `distlion.methods.dlion` runs a kernel only after it
-reproduced the eager torch ops bit for bit on this machine, and otherwise (no compiler, a failed build, another
-rounding, `DISTLION_KERNELS=0`) keeps the eager ops; `status()` says which and why. The build is a single `cc`
-call of well under a second, cached under `~/.cache/distlion/kernels` (or `$DISTLION_CACHE`) per source, flags and
-CPU, since `-march=native` code must not move to another CPU model on a shared home directory.
+reproduced the eager torch ops bit for bit on this machine (on CUDA: on that device), and otherwise (no compiler,
+no Triton, a failed build, another rounding, `DISTLION_KERNELS=0`) keeps the eager ops; `status("dlion")` and
+`status("dlion_cuda")` say which and why. The C build is a single `cc` call of well under a second, cached under
+`~/.cache/distlion/kernels` (or `$DISTLION_CACHE`) per source, flags and CPU, since `-march=native` code must not
+move to another CPU model on a shared home directory.
 """
 
 from __future__ import annotations
@@ -134,3 +136,20 @@ class DLionKernels:
 def dlion() -> DLionKernels | None:
     lib = library("dlion")
     return None if lib is None else DLionKernels(lib)
+
+
+@functools.cache
+def dlion_cuda():
+    """The Triton kernels of D-Lion's worker rule and MaVo apply on CUDA (`dlion_triton.DLionTritonKernels`), or None
+    where Triton cannot be imported; `status("dlion_cuda")` says which. Whether they reproduce the eager ops is
+    checked per device by `distlion.methods.dlion.checked_cuda_kernels`."""
+    if os.environ.get("DISTLION_KERNELS", "1") == "0":
+        _reasons["dlion_cuda"] = "off: DISTLION_KERNELS=0"
+        return None
+    try:
+        from distlion.kernels.dlion_triton import DLionTritonKernels
+    except ImportError as error:  # a CPU-only torch build, or triton missing
+        _reasons["dlion_cuda"] = f"off: Triton cannot be imported ({error}); the eager ops run"
+        return None
+    _reasons["dlion_cuda"] = "on"
+    return DLionTritonKernels()

@@ -75,10 +75,14 @@ class DLion(Method):
     def bind(self, params: torch.Tensor, num_workers: int, layout=None) -> Method:
         super().bind(params, num_workers, layout)
         self._spread = self._mask = None  # the eager ops' scratch, made when first needed
-        # On CPU the fused kernels, where they reproduce the eager ops here (distlion.kernels); the eager ops else.
-        fusable = self.fused and params.device.type == "cpu" and params.dtype == torch.float32 \
-            and self.zero_sign != "zero"
-        self._kernels = checked_kernels(self.betas) if fusable else None
+        # The fused kernels (C on CPU, Triton on CUDA), where they reproduce the eager ops on this device
+        # (distlion.kernels); the eager ops else.
+        self._kernels = None
+        if self.fused and params.dtype == torch.float32 and self.zero_sign != "zero":
+            if params.device.type == "cpu":
+                self._kernels = checked_kernels(self.betas)
+            elif params.device.type == "cuda":
+                self._kernels = checked_cuda_kernels(self.betas, params.device)
         return self
 
     def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +124,9 @@ class DLion(Method):
         pack_bits(torch.gt(update, 0, out=mask[:n]), overwrite=True, out=signs)
         if nonzero is not None:
             pack_bits(torch.ne(update, 0, out=mask[:n]), overwrite=True, out=nonzero)
-        elif int(torch.count_nonzero(update)) < n:  # a 0 (a row no token reached): pack the ties
+        # A 0 (a row no token reached): pack the ties; on a GPU without counting them first, which would hold
+        # the host until the device caught up, every worker and step.
+        elif momentum.is_cuda or int(torch.count_nonzero(update)) < n:
             tie = tie_bits(self.zero_sign, signs.numel(), step, signs.device)  # a block starts on a whole byte
             if tie is not None:
                 signs |= pack_bits(torch.eq(update, 0, out=mask[:n]), overwrite=True) & tie
@@ -163,8 +169,11 @@ class DLion(Method):
             return majority_vote_counts([m["signs"] for m in sent], down["vote"], n, num_workers)
         plus = unpack_uint(down["counts"], n).long()
         margin = 2 * plus - num_workers  # > 0: the mean is positive
-        agree2 = sum(int((torch.where(unpack_bits(m["signs"], n), margin, -margin).sign() + 1).sum()) for m in sent)
-        return {"agree2": torch.tensor(agree2), "signs": torch.tensor(len(sent) * n),
+        device = margin.device  # the counts stay where the messages are (all-reduced there): one sync, at the end
+        agree2 = torch.zeros((), dtype=torch.int64, device=device)
+        for m in sent:
+            agree2 += (torch.where(unpack_bits(m["signs"], n), margin, -margin).sign() + 1).sum()
+        return {"agree2": agree2, "signs": torch.tensor(len(sent) * n, device=device),
                 "margins": torch.bincount(margin.abs(), minlength=num_workers + 1)}
 
     def delta(self, down: Message, ctx: StepContext) -> torch.Tensor:
@@ -210,22 +219,54 @@ def checked_kernels(betas: tuple[float, float]) -> kernels.DLionKernels | None:
     return None
 
 
-def reproduces_eager(fused: kernels.DLionKernels, betas: tuple[float, float]) -> bool:
-    """Whether `fused` gives the eager ops' signs, ties, momenta and MaVo apply, bit for bit, on a probe where
-    rounding decides: half the updates within a few ulps of 0 (g ~ -b1/(1-b1) m), exact zeros, and a length
-    that leaves a tail after whole vectors (torch finishes a loop in scalar code)."""
-    n = 4096 + 37
-    gen = torch.Generator().manual_seed(0)
-    momentum = torch.randn(n, generator=gen) * torch.logspace(-8, 2, n)[torch.randperm(n, generator=gen)]
-    grad = torch.randn(n, generator=gen)
-    near = torch.rand(n, generator=gen) < 0.5
+@functools.cache
+def checked_cuda_kernels(betas: tuple[float, float], device: torch.device):
+    """The Triton kernels for these betas on `device`, if Triton compiles them there and they reproduce the eager
+    CUDA ops bit for bit on that device (its GPU model, its torch build); None, and `kernels.status("dlion_cuda")`
+    saying why, else."""
+    fused = kernels.dlion_cuda()
+    if fused is None:
+        return None
+    try:
+        same = reproduces_eager(fused, betas, device)
+    except Exception as error:  # a Triton that cannot compile for this GPU, a driver too old for its PTX, ...
+        lines = str(error).strip().splitlines()
+        why = f"the Triton kernels failed on {device} ({type(error).__name__}: {lines[-1] if lines else ''})"
+    else:
+        if same:
+            return fused
+        why = f"the Triton kernels round otherwise than the eager ops on {device} (betas {betas})"
+    kernels.disable("dlion_cuda", f"{why}; the eager ops run")
+    warnings.warn(f"distlion: {why}; the eager ops run", stacklevel=2)
+    return None
+
+
+def reproduces_eager(fused, betas: tuple[float, float], device: torch.device | str = "cpu") -> bool:
+    """Whether `fused` gives the eager ops' signs, ties, momenta and MaVo apply on `device`, bit for bit, on a probe
+    where rounding decides: half the updates within a few ulps of 0 (g ~ -b1/(1-b1) m), exact zeros, and a length
+    that leaves a tail after whole vectors (torch finishes a loop in scalar code). On a GPU also subnormal values
+    (a kernel that flushes them to 0 differs there) and a length of several Triton programs."""
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    n = 4096 + 37 if on_cpu else 3 * 4096 + 37
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    momentum = torch.randn(n, generator=gen, device="cpu")
+    momentum *= torch.logspace(-8, 2, n, device="cpu")[torch.randperm(n, generator=gen, device="cpu")]
+    grad = torch.randn(n, generator=gen, device="cpu")
+    near = torch.rand(n, generator=gen, device="cpu") < 0.5
     ratio = -betas[0] / (1 - betas[0]) if betas[0] < 1 else 0.0
-    grad[near] = momentum[near] * ratio * (1 + (torch.rand(int(near.sum()), generator=gen) - 0.5) * 1e-6)
+    jitter = torch.rand(int(near.sum()), generator=gen, device="cpu") - 0.5
+    grad[near] = momentum[near] * ratio * (1 + jitter * 1e-6)
     grad[::97] = 0
     momentum[::97] = 0
+    if not on_cpu:
+        momentum[5::89] *= 1e-35  # subnormal momenta, and updates that are subnormal or round to 0
+        grad[7::89] *= 1e-39
+    params = torch.randn(n, generator=gen, device="cpu")
+    momentum, grad, params = momentum.to(device), grad.to(device), params.to(device)
     eager = DLion(lr=1e-3, betas=betas, weight_decay=0.1)
     eager.fused = False
-    eager.bind(torch.randn(n, generator=gen), 1)
+    eager.bind(params, 1)
     for step in (0, 1):  # both phases of the alternating tie
         ctx = StepContext(step=step, lr=3e-3, num_workers=1)
         expected = {"momentum": momentum.clone()}
