@@ -57,8 +57,9 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def config_hash(cfg: DictConfig) -> str:
-    """A hash of everything that determines the run's numbers."""
+def config_hash(cfg: DictConfig, device: bool = True) -> str:
+    """A hash of everything that determines the run's numbers. `device=False`: of everything but the device, the
+    identity a checkpoint keeps when its run resumes on another device (`RunDir.load_checkpoint`)."""
     config = resolved_config(cfg)
     not_hashed = list(_NOT_HASHED)
     # Settings added after runs were made count only when they change what those runs computed, so
@@ -73,9 +74,9 @@ def config_hash(cfg: DictConfig) -> str:
     # ops differ), whichever GPU index it took. Mixed precision and compilation likewise count only when on.
     train = config.get("train", {})
     if "device" in train:
-        device = str(train["device"])
-        train["device"] = resolve_device(device).type if device == "auto" else device.partition(":")[0]
-        if train["device"] == "cpu":
+        setting = str(train["device"])
+        train["device"] = resolve_device(setting).type if setting == "auto" else setting.partition(":")[0]
+        if train["device"] == "cpu" or not device:
             not_hashed.append("train.device")
     if train.get("amp", "none") == "none":
         not_hashed.append("train.amp")
@@ -192,9 +193,11 @@ class RunDir:
     `shard_suffix`), .lock<RANK> while a process holds the run.
     """
 
-    def __init__(self, path: str | Path, config_hash: str):
+    def __init__(self, path: str | Path, config_hash: str, portable_hash: str | None = None):
         self.path = Path(path)
         self.config_hash = config_hash
+        # The config but its device: a checkpoint written on another device (a CPU run resumed on a GPU) resumes.
+        self.portable_hash = portable_hash or config_hash
         self.metrics_path = self.path / "metrics.jsonl"
 
     @contextmanager
@@ -255,7 +258,7 @@ class RunDir:
         path = self.checkpoint_path(suffix)
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as file:
-            torch.save({"config_hash": self.config_hash, **state}, file)
+            torch.save({"config_hash": self.config_hash, "portable_hash": self.portable_hash, **state}, file)
             file.flush()
             os.fsync(file.fileno())
         if path.exists():
@@ -277,7 +280,8 @@ class RunDir:
                 continue
             if at_most is not None and checkpoint["step"] > at_most:
                 continue
-            if checkpoint["config_hash"] != self.config_hash:
+            if checkpoint["config_hash"] != self.config_hash and \
+                    checkpoint.get("portable_hash", checkpoint["config_hash"]) != self.portable_hash:
                 raise RunDirConflict(
                     f"{path} was written by another config (hash {checkpoint['config_hash']} != "
                     f"{self.config_hash}); rerun with the original settings, or delete the checkpoint to start over"

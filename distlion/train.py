@@ -121,7 +121,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     if cfg.cluster.backend == "torchdist":
         export_rank_environment(cfg.cluster)  # a task of a submitit job: its rank, as torchrun would give it
     method = validate(cfg)
-    with RunDir(run_dir, config_hash(cfg)).hold() as directory:
+    with RunDir(run_dir, config_hash(cfg), config_hash(cfg, device=False)).hold() as directory:
         finished = directory.finished()
         if finished is not None:
             print(f"distlion: {directory.path} already holds this finished run; skipping it", file=sys.stderr)
@@ -150,11 +150,15 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     start_step, wall_time, bits = 0, 0.0, BitsTally(flat.numel)
     checkpoint = _agreed_checkpoint(directory, suffix, cluster)
     if checkpoint is not None:
+        moved = checkpoint["config_hash"] != directory.config_hash  # written on another device
         start_step, wall_time, bits = _restore(checkpoint, flat, cluster, scaler)
         print(f"distlion: resuming {directory.path} from step {start_step} on {describe(device)}", file=sys.stderr)
     else:
         print(f"distlion: training on {describe(device)}", file=sys.stderr)
     resume_gap = method.resume_gap() if checkpoint is not None else None
+    if checkpoint is not None and moved:
+        resume_gap = "; ".join(filter(None, [resume_gap, "resumed from a checkpoint written on another device, whose "
+                                             "float arithmetic differs"]))
     if resume_gap is not None:
         print(f"distlion: warning: this resumed run differs from an uninterrupted one: {resume_gap}", file=sys.stderr)
     if cluster.is_main:  # only one process writes results and logs

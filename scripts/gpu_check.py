@@ -191,6 +191,13 @@ def plan(py: str, device: str, work: Path, methods: list[str], ranks: int) -> Pl
                                                   options=("--deterministic", "--kill-after-checkpoint", "10")),
                                         p.wrapped(*resume, run_dir=work / "resume" / "killed",
                                                   options=("--deterministic",))], gpu=dev_gpu))
+    # Across devices: checkpointed on one, killed, resumed on the other (and back).
+    for first, then in sorted({("cpu", device), (device, "cpu")}):  # (the dry run: one, cpu to cpu)
+        moved = ("method=dlion", "train.checkpoint_every=5", f"cluster.workers={WORKERS}")
+        folder = work / "moved" / f"{first}_to_{then}"
+        p.jobs.append(Job(f"moved_{first}_to_{then}", [
+            p.wrapped(*moved, f"train.device={first}", run_dir=folder, options=("--kill-after-checkpoint", "10")),
+            p.wrapped(*moved, f"train.device={then}", run_dir=folder)], gpu=dev_gpu))
     p.jobs.append(Job("probe", [[py, str(Path(__file__).resolve()), "probe", "--device", device,
                                  "--json", str(work / "probe.json")]], gpu=dev_gpu))
     tests = [t for t in CUDA_TESTS if (REPO / t).exists()]
@@ -369,6 +376,30 @@ def resume_check(p: Plan, jobs: dict[str, Job]) -> Check:
     if resumed["params_sha256"] != reference["params_sha256"] or bits_of(resumed) != bits_of(reference):
         problems.append(f"params sha256 {resumed['params_sha256'][:12]} vs {reference['params_sha256'][:12]}")
     return title, "FAIL" if problems else "PASS", "; ".join(problems) or "params and bits equal the uninterrupted run's"
+
+
+def moved_checks(p: Plan, jobs: dict[str, Job]) -> list[Check]:
+    """A run killed after its step-10 checkpoint on one device finishes on the other, saying it resumed there."""
+    out = []
+    for name in sorted(n for n in jobs if n.startswith("moved_")):
+        job, first, then = jobs[name], *name.removeprefix("moved_").split("_to_")
+        title = f"a run checkpointed on {first} resumes on {then}"
+        resumed = summary(p.work / "moved" / f"{first}_to_{then}")
+        if resumed is None or len(job.returncodes) < 2:
+            out.append((title, "not run" if job.skipped else "FAIL", failure_tail(job)))
+            continue
+        problems = []
+        if job.returncodes[0] != -signal.SIGKILL:
+            problems.append(f"the first run ended with {job.returncodes[0]}, not killed")
+        if f"from step 10 on {then}" not in job.text():
+            problems.append(f"the second run did not say it resumed from step 10 on {then}")
+        if first != then and "another device" not in resumed.get("resume_inexact", ""):
+            problems.append("its summary does not say the resume crossed devices (resume_inexact)")
+        if not math.isfinite(resumed.get("train_loss", resumed.get("val_loss", math.nan))):
+            problems.append("its loss is not finite")
+        out.append((title, "FAIL" if problems else "PASS", "; ".join(problems) or
+                    f"finished on {resumed.get('device')}, val loss {resumed.get('val_loss', math.nan):.4f}"))
+    return out
 
 
 def probe_checks(p: Plan, jobs: dict[str, Job], probe: dict[str, Any]) -> list[Check]:
@@ -694,7 +725,7 @@ def main() -> None:
     checks, rows = method_checks(p, jobs, probe)
     bench = bench_rows(p, jobs)
     checks = [*probe_checks(p, jobs, probe), *checks, *deterministic_checks(p, jobs), amp_compile_check(p, jobs),
-              resume_check(p, jobs), tests_check(jobs), bench_check(p, jobs, bench)]
+              resume_check(p, jobs), *moved_checks(p, jobs), tests_check(jobs), bench_check(p, jobs, bench)]
     text = report(p, info, checks, rows, bench, jobs, time.time() - start)
     out = args.out or (REPO / "results" / "gpu" if args.device == "cuda" else args.work)
     out.mkdir(parents=True, exist_ok=True)

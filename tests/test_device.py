@@ -336,3 +336,28 @@ def test_a_compiled_model_trains_as_the_eager_one(make_cfg, tmp_path):
     assert compiled["config_hash"] != eager["config_hash"]
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
 
+
+
+def test_a_checkpoint_resumes_on_another_device(make_cfg, tmp_path, crash_after_checkpoint, monkeypatch, capsys):
+    """A run checkpointed under train.device=cpu resumes under train.device=cuda (another config hash: the device is
+    hashed; the same one without it). Here "cuda" is the CPU in disguise, so the resumed run must end exactly where
+    the uninterrupted one does, its summary saying that the resume crossed devices; another setting is refused."""
+    import distlion.config
+    import distlion.train
+    from distlion.runio import RunDirConflict
+
+    settings = ["task=digits", "train.steps=12", "train.eval_every=6", "cluster.workers=2",
+                "cluster.per_worker_batch=8", "train.checkpoint_every=4"]
+    reference = distlion.train.run(make_cfg(*settings, "train.device=cpu"), tmp_path / "reference")
+    crash_after_checkpoint(make_cfg(*settings, "train.device=cpu"), tmp_path / "moved", 8)
+    with pytest.raises(RunDirConflict, match="was written by another config"):
+        distlion.train.run(make_cfg(*settings, "train.device=cpu", "method.lr=0.01"), tmp_path / "moved")
+    disguised = lambda setting="auto", local_rank=None: torch.device("cpu")  # noqa: E731
+    monkeypatch.setattr(distlion.config, "resolve_device", disguised)
+    monkeypatch.setattr(distlion.train, "resolve_device", disguised)
+    capsys.readouterr()
+    resumed = distlion.train.run(make_cfg(*settings, "train.device=cuda"), tmp_path / "moved")
+    assert f"resuming {tmp_path / 'moved'} from step 8" in capsys.readouterr().err
+    assert resumed["config_hash"] != reference["config_hash"]
+    assert resumed["params_sha256"] == reference["params_sha256"]
+    assert "written on another device" in resumed["resume_inexact"]
