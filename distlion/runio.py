@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pickle
+import platform
 import subprocess
 import sys
 import warnings
@@ -170,6 +171,29 @@ def git_version(root: Path | None = None) -> dict[str, Any]:
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):
         return {"git_sha": None, "git_dirty": None}
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """Where a result was computed, for its summary: the same config gives other float results on another CPU model
+    or torch build, so a table that mixes machines can say so."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
+    return {
+        "host": platform.node(),
+        "cpu": cpu or platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "python": platform.python_version(),
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:

@@ -39,7 +39,7 @@ from distlion.flat import FlatParams
 from distlion.loggers import NullLogger, build_logger
 from distlion.methods import Method, variant_of
 from distlion.methods.step import PhaseTimer
-from distlion.runio import RunDir, atomic_write_text, config_hash, git_version, resolved_config
+from distlion.runio import RunDir, atomic_write_text, config_hash, git_version, machine, resolved_config
 from distlion.schedule import LRSchedule
 from distlion.seeding import derive_seed
 from distlion.tasks import Task, build_task
@@ -269,6 +269,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             "params_sha256": params_digest(flat),
             "config_hash": directory.config_hash,
             **git_version(),
+            "machine": machine(device),
         }
         if cluster.is_main and cfg.train.get("save_model"):
             task.save_model(model, directory.path / "model")

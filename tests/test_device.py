@@ -89,6 +89,13 @@ def test_a_torchdist_run_on_the_cpu_joins_a_gloo_group(make_cfg, tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert summary["device"] == "cpu" and ddp["amp"] == "bf16" and math.isfinite(ddp["val_loss"])
+    # Where it ran: the same config gives other float results on another CPU model or torch build.
+    import platform
+
+    assert summary["machine"] == {**summary["machine"], "host": platform.node(), "threads": 1,
+                                  "torch": torch.__version__, "cuda": None, "gpu": None,
+                                  "python": platform.python_version()}
+    assert summary["machine"]["cpu"] and summary["machine"]["cores"] >= 1
 
 
 @pytest.mark.parametrize("setting, message", [
