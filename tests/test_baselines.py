@@ -506,9 +506,16 @@ def test_bad_settings_fail_with_one_line_naming_the_setting(make, setting):
     assert message.startswith(f"method.{setting}=") and "\n" not in message
 
 
-def test_a_warmup_that_fits_the_run_passes():
-    DGC(warmup_epochs=5).check_run(5)
+def test_a_warmup_that_fits_the_run_passes_and_one_past_it_is_refused():
+    """The boundary: a warm-up of exactly the run's length passes (its sparsity ramps up, then holds); a hair
+    longer is refused; no warm-up fits any run."""
+    dgc = DGC(warmup_epochs=5)
+    dgc.check_run(5)
+    assert dgc.sparsity_at(0.0) < dgc.sparsity == dgc.sparsity_at(5.0)
+    with pytest.raises(ValueError, match=r"method.warmup_epochs=5 is longer than the run \(4.99 epochs\)"):
+        dgc.check_run(4.99)
     DGC(warmup_epochs=0).check_run(0.5)
+    assert DGC(warmup_epochs=0).sparsity_at(0.0) == DGC().sparsity
 
 
 @pytest.mark.parametrize("cls", [DGC, TernGrad, GradDrop])

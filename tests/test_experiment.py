@@ -259,10 +259,12 @@ def test_every_spec_composes_and_validates_each_swept_setting(spec_path):
     """A spec that cannot run is caught here, not hours into a sweep: each point of each sweep (and of the tuning)
     composes under Hydra with the spec's base and passes the config checks; no data is read."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     from distlion.config import validate
     from distlion.experiment import sweep_points
+    from distlion.methods import variant_of
     from distlion.tuning import parse_tuning, trial_sweeps
 
     spec = OmegaConf.to_container(OmegaConf.load(spec_path), resolve=True)
@@ -284,4 +286,12 @@ def test_every_spec_composes_and_validates_each_swept_setting(spec_path):
             overrides = [*base, *point, "seed=0", "logger=none"]
             if any(o.startswith("cluster=torchdist") for o in overrides):
                 overrides.append("cluster.workers=2")
-            validate(compose("config", overrides=overrides))
+            method = validate(compose("config", overrides=overrides))
+            # ... and builds the method the point names, with the settings it sets.
+            named = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("method=")), None)
+            if named is not None:
+                assert variant_of(method.name, method.hparams()).name == named, (point, method.name)
+            for override in OverridesParser.create().parse_overrides([o for o in point if o.startswith("method.")]):
+                got = method.hparams()[override.key_or_group.removeprefix("method.")]
+                assert (list(got) if isinstance(got, tuple) else got) == pytest.approx(override.value()), override
+    assert points
