@@ -37,6 +37,10 @@ FAILED = "failed.json"  # a sweep point's failure record, in its run directory
 _FAILURES_ENV = "DISTLION_SWEEP_FAILURES"
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training; its message says where a rerun resumes (`run_app` prints it as one line)."""
+
+
 def error_line(err: BaseException) -> str | None:
     """The one line that says what to change, for an error that a setting or the data caused; None for
     anything else (a bug, whose traceback is the useful report)."""
@@ -158,10 +162,15 @@ def run_app(app: Callable[[], Any]) -> None:
     os.environ.update(env)
     try:
         app()
+    except KeyboardInterrupt as err:  # Ctrl-C: where a rerun goes on, not the stack it hit
+        print(f"distlion: {err or 'interrupted'}", file=sys.stderr, flush=True)
+        sys.exit(130)  # the shell's code for SIGINT
     except Exception as err:
         line = error_line(err)
         if line is not None:
             print(f"distlion: error: {line}", file=sys.stderr, flush=True)
+        if isinstance(err, OSError) and line is not None and full_error != "1":
+            sys.exit(2)  # e.g. Hydra creating a run directory in a read-only folder: the line says it all
         if full_error == "1" or not isinstance(err, HydraException):
             raise
         print(err, file=sys.stderr)  # what Hydra prints: its message and the OmegaConf error under it

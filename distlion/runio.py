@@ -148,10 +148,47 @@ class RunDirBusy(ValueError):
     """Another live process holds the run directory."""
 
 
+class WriteFailed(OSError):
+    """A file of the run could not be written (a full disk, a read-only folder): the path and why, in one line.
+    Its temporary file is gone and the file it was to replace is as it was."""
+
+    def __init__(self, path: Path, cause: OSError):
+        reason = os.strerror(cause.errno).lower() if cause.errno else str(cause)
+        super().__init__(cause.errno, f"cannot write {path}: {reason} (it keeps what it held before, if anything); "
+                                      "free space or fix the folder's permissions, then rerun", str(path))
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write: torch.save reports one (ENOSPC) as a RuntimeError ("unexpected pos")
+    raised while handling it."""
+    if isinstance(err, OSError):
+        return err
+    if isinstance(err, RuntimeError) and isinstance(err.__context__, OSError):
+        return err.__context__
+    return None
+
+
+@contextmanager
+def _writing(path: Path, tmp: Path) -> Iterator[None]:
+    """Write `tmp` on the way to `path`: a failed write removes `tmp` and becomes one `WriteFailed` naming `path`."""
+    try:
+        yield
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)  # a partial file (e.g. 1 MB of a checkpoint) is never left behind
+        cause = _os_error(err) if isinstance(err, Exception) else None  # Ctrl-C stays Ctrl-C
+        if cause is None or isinstance(err, WriteFailed):
+            raise
+        raise WriteFailed(path, cause) from err
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with _writing(path, tmp):
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 #: What specs write into the checkout themselves (reports, tuning tables, run records): a change there does not
@@ -281,10 +318,11 @@ class RunDir:
         turn out unreadable (a disk that lost the last write)."""
         path = self.checkpoint_path(suffix)
         tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as file:
+        with _writing(path, tmp), tmp.open("wb") as file:
             torch.save({"config_hash": self.config_hash, "portable_hash": self.portable_hash, **state}, file)
             file.flush()
             os.fsync(file.fileno())
+        # Only a complete new checkpoint moves the last one to `prev`: a failed write leaves both as they were.
         if path.exists():
             os.replace(path, self.previous_checkpoint_path(suffix))
         os.replace(tmp, path)

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map_only
 from tqdm import tqdm
 
 from distlion.amp import LossScale, amp_dtype, autocast_loss, unscale
-from distlion.cli import run_app, run_point
+from distlion.cli import Interrupted, run_app, run_point
 from distlion.cluster import Cluster, build_cluster
 from distlion.cluster.base import BitsTally
 from distlion.cluster.jobs import Preemption, export_rank_environment
@@ -176,6 +176,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
     evals_done = start_step // eval_every  # a resumed run keeps counting where it left off
     clock = StepClock()
     preemption = Preemption(device)  # a submitit job's preemption notice: checkpoint at an agreed step, then requeue
+    step, saved = start_step, start_step  # saved: the step a rerun resumes from (its last checkpoint; 0: none)
     try:
         bar = tqdm(range(start_step, steps), initial=start_step, total=steps,
                    disable=not (cfg.train.progress and cluster.is_main),
@@ -233,6 +234,7 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                                  and not is_last):
                     directory.save_checkpoint(suffix, _checkpoint(step + 1, time.time() - start_time, bits, flat,
                                                                   cluster, scaler))
+                    saved = step + 1
                 if preempted:
                     preemption.requeue()
         summary = {
@@ -278,6 +280,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             directory.write_summary(summary)
         directory.remove_checkpoint(suffix)
         return summary
+    except KeyboardInterrupt:
+        where = f"from step {saved}" if saved else "from the start (train.checkpoint_every=K checkpoints a run)"
+        raise Interrupted(f"interrupted at step {step} of {steps}; rerun the same command to resume {where}") from None
     finally:
         logger.finish()
 

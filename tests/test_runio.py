@@ -5,6 +5,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +203,108 @@ def test_only_a_change_to_code_not_to_what_specs_write_makes_a_result_dirty(tmp_
     assert runio.git_version(tmp_path)["git_dirty"] is False
     (tmp_path / "distlion" / "method.py").write_text("lr = 2\n")
     assert runio.git_version(tmp_path)["git_dirty"] is True
+
+
+# Issue 39: a full disk, a read-only folder and Ctrl-C each end a run with one line, and lose nothing kept before.
+REPO = Path(__file__).resolve().parent.parent
+
+# Run `python -m distlion.train ARGS` with the file named by DISTLION_TEST_FULL (its nth write, n = ..._AT) on a full
+# disk (/dev/full: the kernel's real ENOSPC, which torch.save turns into "unexpected pos"), and creating the folder
+# DISTLION_TEST_READONLY refused with EACCES (root, as in CI containers, ignores chmod).
+FAULTY_TRAIN = """
+import errno, os, pathlib, sys
+full, at, readonly = os.environ.get("DISTLION_TEST_FULL"), int(os.environ.get("DISTLION_TEST_AT", "1")), \
+    os.environ.get("DISTLION_TEST_READONLY")
+open_, mkdir, opened = pathlib.Path.open, pathlib.Path.mkdir, []
+
+def faulty_open(self, mode="r", *args, **kwargs):
+    if self.name == full and "w" in mode:
+        opened.append(self)
+        if len(opened) == at:
+            open_(self, mode).close()  # the temporary file exists, as on a real disk
+            return open_(pathlib.Path("/dev/full"), mode)
+    return open_(self, mode, *args, **kwargs)
+
+def faulty_mkdir(self, *args, **kwargs):
+    if readonly and str(self).startswith(readonly + "/"):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+    return mkdir(self, *args, **kwargs)
+
+pathlib.Path.open, pathlib.Path.mkdir = faulty_open, faulty_mkdir
+from distlion.train import main
+main()
+"""
+CHILD_RUN = ["task=digits", "logger=none", "train.progress=false", "train.log_every=2", "train.eval_every=100"]
+
+
+def faulty_train(run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", FAULTY_TRAIN, *CHILD_RUN, *args, f"hydra.run.dir={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+
+
+def saved_step(run_dir: Path) -> int:
+    return runio._read_checkpoint(run_dir / "checkpoint.pt")["step"]
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("distlion: error:")]
+    return line
+
+
+def test_a_full_disk_at_a_write_removes_its_tmp_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    directory = RunDir(tmp_path, "h")
+    directory.save_checkpoint("", {"step": 2, "x": torch.zeros(10)})
+    directory.write_summary({"config_hash": "h", "done": 1})
+    real_open = Path.open
+
+    def full(self, mode="r", *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            real_open(self, mode).close()
+            return real_open(Path("/dev/full"), mode)
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full)
+    with pytest.raises(runio.WriteFailed, match=f"cannot write {tmp_path / 'checkpoint.pt'}: no space left"):
+        directory.save_checkpoint("", {"step": 4, "x": torch.zeros(300_000)})  # past the write buffer
+    with pytest.raises(runio.WriteFailed, match=f"cannot write {tmp_path / 'summary.json'}: no space left"):
+        directory.write_summary({"config_hash": "h", "done": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "summary.json"]
+    assert directory.load_checkpoint("")["step"] == 2 and runio.read_summary(tmp_path)["done"] == 1
+
+
+@pytest.mark.parametrize(("full", "at"), [("checkpoint.pt.tmp", 2), ("summary.json.tmp", 1)])
+def test_cli_a_full_disk_is_one_line_naming_the_file_and_keeps_the_last_checkpoint(tmp_path, full, at):
+    done = faulty_train(tmp_path, "train.steps=6", "train.checkpoint_every=2", DISTLION_TEST_FULL=full,
+                        DISTLION_TEST_AT=str(at))
+    line = one_error_line(done)
+    assert f"cannot write {tmp_path / full.removesuffix('.tmp')}: no space left on device" in line, line
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "summary.json").exists()
+    # The checkpoint at step 2 (the one at step 4 failed) or at step 4 (the summary failed) is intact.
+    assert saved_step(tmp_path) == (2 if full.startswith("check") else 4)
+
+
+def test_cli_a_run_directory_in_a_read_only_folder_is_one_line(tmp_path):
+    done = faulty_train(tmp_path / "ro" / "run", "train.steps=2", DISTLION_TEST_READONLY=str(tmp_path / "ro"))
+    line = one_error_line(done)
+    assert "Permission denied" in line and str(tmp_path / "ro" / "run") in line, line
+
+
+def test_cli_ctrl_c_stops_a_run_in_one_line_saying_where_a_rerun_resumes(tmp_path):
+    command = [sys.executable, "-m", "distlion.train", *CHILD_RUN, "train.steps=60", "train.checkpoint_every=4",
+               f"hydra.run.dir={tmp_path}"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (tmp_path / "checkpoint.pt").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, f"run ended before it could be interrupted: {process.stderr.read()}"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr
+    saved = saved_step(tmp_path)
+    (line,) = [line for line in stderr.splitlines() if line.startswith("distlion: interrupted")]
+    assert re.fullmatch(rf"distlion: interrupted at step \d+ of 60; rerun the same command to resume from step "
+                        rf"{saved}", line), line
+    rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and f"resuming {tmp_path} from step {saved}" in rerun.stderr, rerun.stderr
