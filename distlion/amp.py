@@ -10,7 +10,6 @@ skips the step on every rank (`algorithm1_step`'s agreement), so every rank's sc
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -80,10 +79,3 @@ def unscale(scale: LossScale, grads: dict[torch.dtype, torch.Tensor], losses: to
         g.mul_(1.0 / scale.scale)
     losses.mul_(1.0 / scale.scale)
 
-
-def autocast_state(device_type: str) -> contextlib.AbstractContextManager:
-    """The autocast state of the caller's forward, to re-enter in a custom backward (`torch.amp.custom_bwd` does
-    this for one device type only)."""
-    if not torch.is_autocast_enabled(device_type):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=torch.get_autocast_dtype(device_type))
