@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import shlex
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from distlion.device import describe, resolve_device
 from distlion.experiment import finetuning, netem_commands, sweep_commands, sweep_points
 from distlion.flat import FlatParams
 from distlion.methods import Method, label_order, variant_of
+from distlion.methods.step import PhaseTimer
 from distlion.tasks import Task
 from distlion.tasks.lm import pretrained_source
 from distlion.train import build_run
@@ -225,21 +225,15 @@ def free_memory(device: torch.device) -> int:
     return 0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(step: Callable[[], None], device: torch.device, repeats: int = 3, budget: float = BUDGET_S) -> float:
     """Seconds of one `step`: the best of `repeats` steps (the first pays one-time costs, allocation and kernel
     selection for these shapes; other processes only ever slow a step down), or of two when one took over `budget`."""
     best = math.inf
     for i in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
+        timer = PhaseTimer(device, ("step",))  # waits for the device's queued work at both ends
+        with timer.phase("step"):
+            step()
+        best = min(best, timer.times["step"])
         if i >= 1 and best > budget:
             break
     return best
