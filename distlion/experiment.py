@@ -39,13 +39,23 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
 from distlion.methods import method_info
 from distlion.report import Target, derive_target, load_runs, write_report, write_task_target
-from distlion.tuning import SpecError, parse_tuning, trial_spec, write_tuning
+from distlion.tuning import (
+    Choice,
+    SpecError,
+    check_fresh_seeds,
+    chosen_settings,
+    parse_tuning,
+    show,
+    trial_spec,
+    write_tuning,
+)
 from distlion.wallclock import write as write_wallclock
 from distlion.wallclock import write_modelled
 
@@ -112,6 +122,35 @@ def sweep_points(sweep: str) -> list[list[str]]:
     choices = [[f"{o.get_key_element()}={v}" for v in (o.sweep_string_iterator() if o.is_sweep_override()
                                                       else [o.get_value_element_as_str()])] for o in overrides]
     return [list(point) for point in itertools.product(*choices)]
+
+
+def _setting(overrides: list[str], key: str) -> Any:
+    """The last value `overrides` give `key` (Hydra's rule: a later override wins), parsed as YAML; None if none."""
+    values = [yaml.safe_load(o.split("=", 1)[1]) for o in overrides if o.split("=", 1)[0] == key]
+    return values[-1] if values else None
+
+
+def final_sweeps(spec: dict[str, Any], choices: list[Choice]) -> list[str]:
+    """The spec's sweeps with each point's chosen settings as explicit overrides: the choice of its own method,
+    workers and batch, else the one choice of its method (tuned at another setting, as the spec says). So the final
+    runs need no conf/tuned file, and a spec tuning several worker counts or batches runs each with its own."""
+    sweeps = []
+    base = list(spec.get("base", []))
+    for sweep in spec["sweeps"]:
+        for point in sweep_points(sweep):
+            overrides = [*base, *point]
+            method = _setting(overrides, "method")
+            own = [c for c in choices if c.method == method]
+            setting = {"workers": _setting(overrides, "cluster.workers"),
+                       "per_worker_batch": _setting(overrides, "cluster.per_worker_batch")}
+            exact = [c for c in own if all(v is None or dict(c.others).get(k) == v for k, v in setting.items())]
+            points = {c.best for c in (exact or own)}
+            if len(points) > 1:
+                raise SpecError(f"{' '.join(point)}: {len(points)} tuned settings of {method} fit this point "
+                                f"({[dict(p) for p in points]}); tune at its workers and batch or drop the others")
+            chosen = chosen_settings((exact or own)[0]) if points else {}
+            sweeps.append(shlex.join([*point, *(f"method.{k}={show(v)}" for k, v in chosen.items())]))
+    return sweeps
 
 
 def pretrain_command(spec: dict, extra: list[str], run_dir: Path) -> list[str]:
@@ -328,6 +367,10 @@ def main() -> None:
         spec = finetuning(spec, pretrain_dir / "model")
     # The tuning's report (tuning.md, the tuned files) is written by the tuning alone: --report-only leaves it.
     if tuning is not None and (args.tune or args.tune_only):
+        try:
+            check_fresh_seeds(spec, tuning)
+        except SpecError as err:
+            raise SystemExit(f"distlion: error: {path.name}: {err}") from None
         commands = unfinished(sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir),
                               args.conf_dir)
         _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])  # failed trials are listed
@@ -348,6 +391,7 @@ def main() -> None:
             sys.exit(1)
         if args.tune_only:
             return
+        spec = {**spec, "sweeps": final_sweeps(spec, choices)}  # each point at its own chosen settings
     if not args.report_only and "netem" in spec:
         if args.jobs > 1:
             raise SystemExit(f"distlion: error: {path.name} times its runs on emulated links: run it with --jobs 1, "

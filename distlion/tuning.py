@@ -27,6 +27,7 @@ its provenance, unless the chosen point lies on the edge of its grid (widen the 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import shlex
@@ -45,11 +46,13 @@ from distlion.methods import label_order, variant_of
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SECOND_AXES = ("weight_decay", "lr_x_wd")
-_SPEC_KEYS = {"objective", "budget", "seeds", "grid_points_per_decade", "trials", "sweep", "spaces"}
+RANGE_AXES = ("lr", "weight_decay", "lr_x_wd")
+_SPEC_KEYS = {"objective", "budget", "seeds", "grid_points_per_decade", "trials", "sweep", "spaces", "write_tuned"}
 _TUNED_KEYS = ("method.lr", "method.weight_decay", "seed", "method=", "train.test_eval")
 
-Point = tuple[float, float | None]  # (lr, weight decay); None: the method's configured weight decay
+# One grid point: the method settings it sets, lr first, then weight_decay, then the others by name; list values
+# (betas) as tuples, so that points are dictionary keys: (("lr", 1e-3), ("weight_decay", 0.1), ("betas", (0.9, 0.99))).
+Point = tuple[tuple[str, Any], ...]
 
 
 class SpecError(ValueError):
@@ -57,14 +60,30 @@ class SpecError(ValueError):
 
 
 def yaml_float(value: float) -> str:
-    """`value` as YAML reads back a float (3 significant digits): "0.0", not "0", which is an int and would give
-    the final runs another config hash than their trials."""
+    """`value` as YAML reads back a float (3 significant digits): "0.0", not "0", which is an int."""
     text = f"{value:g}"
     return text if any(c in text for c in ".einf") else f"{text}.0"
 
 
 def _round(value: float) -> float:
     return float(f"{value:.3g}")  # 3 significant digits: readable run directories and tuned files
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def make_point(settings: dict[str, Any]) -> Point:
+    """The point of these method settings in the canonical order (lr, weight_decay, then by name)."""
+    order = {"lr": 0, "weight_decay": 1}
+    return tuple((k, _hashable(settings[k])) for k in sorted(settings, key=lambda k: (order.get(k, 2), k)))
+
+
+def show(value: Any) -> str:
+    """A setting's value as a Hydra override and in tables: 0.001, [0.9,0.99]."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(show(v) for v in value) + "]"
+    return yaml_float(value) if isinstance(value, float) else str(value)  # 1.0, not 1: an int in the config
 
 
 def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
@@ -83,44 +102,87 @@ def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One searched setting: a method setting (lr, weight_decay, betas, ...) or lr_x_wd (weight decay = value / lr,
+    the product Chen et al. tune for Lion). `ordered`: numeric, so a best value at its end asks for a wider grid."""
+
+    name: str
+    values: tuple[Any, ...]
+
+    @property
+    def ordered(self) -> bool:
+        return all(isinstance(v, (int, float)) for v in self.values)
+
+    def describe(self) -> str:
+        name = {"weight_decay": "weight decay", "lr_x_wd": "lr x wd"}.get(self.name, self.name)
+        return f"{name} {{{', '.join(show(v) for v in self.values)}}}"
+
+
+@dataclass(frozen=True)
 class Space:
-    """One method's grid: lr, and the weight decay or lr x wd when searched."""
+    """One method's grid: the product of its axes (lr first)."""
 
     method: str
-    lr: tuple[float, ...]
-    axis: str | None = None  # "weight_decay" | "lr_x_wd" | None (lr only)
-    values: tuple[float, ...] = ()
+    axes: tuple[Axis, ...]
+
+    def axis(self, name: str) -> Axis | None:
+        return next((a for a in self.axes if a.name == name), None)
+
+    @property
+    def lr(self) -> tuple[float, ...]:
+        return self.axes[0].values
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The method settings a point of this grid sets (lr_x_wd sets weight_decay)."""
+        return tuple("weight_decay" if a.name == "lr_x_wd" else a.name for a in self.axes)
 
     def points(self) -> list[Point]:
-        if self.axis is None:
-            return [(lr, None) for lr in self.lr]
-        if self.axis == "weight_decay":
-            return [(lr, wd) for lr in self.lr for wd in self.values]
-        return [(lr, _round(p / lr)) for lr in self.lr for p in self.values]
+        points = []
+        for values in itertools.product(*(a.values for a in self.axes)):
+            settings = dict(zip((a.name for a in self.axes), values))
+            if "lr_x_wd" in settings:
+                settings["weight_decay"] = _round(settings.pop("lr_x_wd") / settings["lr"])
+            points.append(make_point(settings))
+        return points
 
-    def coordinate(self, point: Point) -> float | None:
-        """The point's value on the second axis: its weight decay, or the grid's lr x wd nearest to it."""
-        lr, wd = point
-        if self.axis is None or wd is None:
-            return None
-        if self.axis == "weight_decay":
-            return wd
-        return min(self.values, key=lambda p: abs(math.log(p) - math.log(lr * wd)) if wd > 0 else math.inf)
+    def contains(self, settings: dict[str, Any]) -> bool:
+        """Whether these recorded settings are a point of the grid (floats to 1e-6)."""
+        return any(all(_close(settings.get(k), v) for k, v in point) for point in self.points())
+
+    def coordinate(self, point: Point, name: str) -> Any:
+        """The point's value on axis `name`; on lr_x_wd the grid's product nearest to lr x wd."""
+        settings = dict(point)
+        if name != "lr_x_wd":
+            return settings.get(name)
+        lr, wd = settings["lr"], settings.get("weight_decay") or 0.0
+        axis = self.axis("lr_x_wd")
+        return min(axis.values, key=lambda p: abs(math.log(p) - math.log(lr * wd)) if wd > 0 else math.inf)
 
     def edges(self, point: Point) -> list[str]:
-        """The axes on whose edge the point lies (an axis of one value is fixed, not searched)."""
+        """The ordered axes on whose edge the point lies. An axis of one value is fixed, not searched; a lowest
+        value of 0 is no edge (nothing lies below it), and unordered values (betas) have none."""
         found = []
-        for name, grid, value in (("lr", self.lr, point[0]), (self.axis, self.values, self.coordinate(point))):
-            if name and len(grid) > 1 and value in (min(grid), max(grid)):
-                found.append(f"{name}={value:g} is the {'lowest' if value == min(grid) else 'highest'} of its grid")
+        for axis in self.axes:
+            value = self.coordinate(point, axis.name)
+            if len(axis.values) < 2 or not axis.ordered:
+                continue
+            if value == max(axis.values):
+                found.append(f"{axis.name}={show(value)} is the highest of its grid")
+            elif value == min(axis.values) and value != 0:
+                found.append(f"{axis.name}={show(value)} is the lowest of its grid")
         return found
 
     def describe(self) -> str:
-        text = f"lr {{{', '.join(f'{v:g}' for v in self.lr)}}}"
-        if self.axis:
-            name = "weight decay" if self.axis == "weight_decay" else "lr x wd"
-            text += f" x {name} {{{', '.join(f'{v:g}' for v in self.values)}}}"
-        return text
+        return " x ".join(a.describe() for a in self.axes)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_close, a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+    return a == b
 
 
 @dataclass(frozen=True)
@@ -132,12 +194,30 @@ class Tuning:
     spaces: tuple[Space, ...]
     sweep: str = ""
     trials: int | None = None
+    write_tuned: bool = True  # write the chosen points into conf/tuned/ (false: the spec's final runs alone use them)
 
     def space(self, method: str) -> Space | None:
         return next((s for s in self.spaces if s.method == method), None)
 
     def describe_budget(self) -> str:
         return " ".join(self.budget) or "the spec's training length"
+
+
+def _axis(method: str, name: str, given: Any, per_decade: int) -> Axis:
+    """An axis from the spec: [lo, hi] (a log range at the common density) or {values: [...]} (these values)."""
+    where = f"tuning.spaces.{method}.{name}"
+    if isinstance(given, dict) and set(given) == {"values"} and isinstance(given["values"], list) and given["values"]:
+        values = tuple(float(v) if name in RANGE_AXES and isinstance(v, int) else _hashable(v)
+                       for v in given["values"])
+        if len(set(values)) != len(values):
+            raise SpecError(f"{where}: a value is given twice")
+        return Axis(name, tuple(sorted(values)) if Axis(name, values).ordered else values)
+    if isinstance(given, list) and len(given) == 2:
+        try:
+            return Axis(name, log_grid(*map(float, given), per_decade))
+        except (SpecError, TypeError, ValueError) as err:
+            raise SpecError(f"{where}: {err}") from None
+    raise SpecError(f"{where}: give a log range [lo, hi] or a list of values {{values: [...]}}")
 
 
 def parse_tuning(spec: dict[str, Any]) -> Tuning:
@@ -163,22 +243,18 @@ def parse_tuning(spec: dict[str, Any]) -> Tuning:
     spaces = []
     for method, ranges in (section.get("spaces") or {}).items():
         ranges = ranges or {}
-        extra = set(ranges) - {"lr", *SECOND_AXES}
-        if extra:  # a per-method budget or density would make the comparison unfair
-            raise SpecError(f"tuning.spaces.{method}.{sorted(extra)[0]}: a method's space holds only lr and "
-                            "weight_decay or lr_x_wd; the budget, density and seeds are the same for every method "
-                            "(tuning.budget, tuning.grid_points_per_decade, tuning.seeds)")
+        shared = [k for k in ranges if k in _SPEC_KEYS or "." in k or k == "budget"]
+        if shared:  # a per-method budget or density would make the comparison unfair
+            raise SpecError(f"tuning.spaces.{method}.{shared[0]}: a method's space holds only method settings "
+                            "(lr, weight_decay or lr_x_wd, betas, ...); the budget, density and seeds are the same "
+                            "for every method (tuning.budget, tuning.grid_points_per_decade, tuning.seeds)")
         if "lr" not in ranges:
             raise SpecError(f"tuning.spaces.{method}: give an lr range [lo, hi]")
-        axes = [a for a in SECOND_AXES if a in ranges]
-        if len(axes) > 1:
+        if "weight_decay" in ranges and "lr_x_wd" in ranges:
             raise SpecError(f"tuning.spaces.{method}: search weight_decay or lr_x_wd, not both")
-        try:
-            lr = log_grid(*map(float, ranges["lr"]), per_decade)
-            values = log_grid(*map(float, ranges[axes[0]]), per_decade) if axes else ()
-        except (SpecError, TypeError) as err:
-            raise SpecError(f"tuning.spaces.{method}: {err}") from None
-        spaces.append(Space(method, lr, axes[0] if axes else None, values))
+        names = ["lr", *(k for k in ("weight_decay", "lr_x_wd") if k in ranges),
+                 *sorted(k for k in ranges if k not in RANGE_AXES)]
+        spaces.append(Space(method, tuple(_axis(method, name, ranges[name], per_decade) for name in names)))
     if not spaces:
         raise SpecError("tuning.spaces: give at least one method's space")
     trials = section.get("trials")
@@ -188,11 +264,17 @@ def parse_tuning(spec: dict[str, Any]) -> Tuning:
             raise SpecError(f"tuning.trials={trials}, but these methods' grids have other sizes: {uneven}; "
                             "give every method the same number of trials")
     seeds = tuple(int(s) for s in section.get("seeds", [0]))
-    return Tuning(objective, budget, seeds, per_decade, tuple(spaces), str(section.get("sweep", "")), trials)
+    return Tuning(objective, budget, seeds, per_decade, tuple(spaces), str(section.get("sweep", "")), trials,
+                  bool(section.get("write_tuned", True)))
 
 
-def _join(values: list[float]) -> str:
-    return ",".join(f"{v:g}" for v in values)
+def check_fresh_seeds(spec: dict[str, Any], tuning: Tuning) -> None:
+    """Refuse trial seeds that are also final seeds: the final run at the chosen point would be the chosen trial
+    itself, and the selection's luck would enter the reported mean."""
+    shared = sorted(set(tuning.seeds) & {int(s) for s in spec.get("seeds", [0])})
+    if shared:
+        raise SpecError(f"tuning.seeds and the final seeds share {shared}: a final run would repeat the trial it "
+                        "was chosen by; tune at other seeds (e.g. tuning.seeds: [100, 101])")
 
 
 def trial_sweeps(tuning: Tuning) -> list[str]:
@@ -201,13 +283,17 @@ def trial_sweeps(tuning: Tuning) -> list[str]:
     sweeps = []
     for space in tuning.spaces:
         head = f"method={space.method} {tuning.sweep}".strip()
-        if space.axis == "lr_x_wd":
+        others = " ".join(f"method.{a.name}=" + ",".join(show(v) for v in a.values)
+                          for a in space.axes if a.name not in RANGE_AXES)
+        if space.axis("lr_x_wd") is not None:
             for lr in space.lr:
-                decays = [wd for x, wd in space.points() if x == lr]
-                sweeps.append(f"{head} method.lr={lr:g} method.weight_decay={_join(decays)}")
+                decays = sorted({dict(p)["weight_decay"] for p in space.points() if dict(p)["lr"] == lr})
+                sweeps.append(f"{head} method.lr={lr:g} method.weight_decay={','.join(map(show, decays))} {others}"
+                              .strip())
         else:
-            wd = f" method.weight_decay={_join(list(space.values))}" if space.axis else ""
-            sweeps.append(f"{head} method.lr={_join(list(space.lr))}{wd}")
+            wd = space.axis("weight_decay")
+            wd = f" method.weight_decay={','.join(map(show, wd.values))}" if wd else ""
+            sweeps.append(f"{head} method.lr={','.join(map(show, space.lr))}{wd} {others}".strip())
     return sweeps
 
 
@@ -230,7 +316,7 @@ class Choice:
     scale: float
     space: Space | None
     trials: dict[Point, list[dict[str, Any]]] = field(default_factory=dict)
-    best: Point | None = None
+    best: Point = ()
     edges: list[str] = field(default_factory=list)
     # Trials of earlier grids, budgets or seeds of the same method and settings: never chosen from, but
     # tuning effort this method had (a grid widened after an edge warning gives its method more trials).
@@ -254,10 +340,6 @@ class Choice:
         return sum(s["wall_time"] for s in self.runs)
 
 
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
-
-
 def _objective(summary: dict[str, Any], objective: str) -> tuple[str, bool, float]:
     key = summary.get("objective") if objective == "validation" else objective
     metric = next((m for m in summary.get("metrics", []) if m["key"] == key), None)
@@ -266,16 +348,24 @@ def _objective(summary: dict[str, Any], objective: str) -> tuple[str, bool, floa
     return key, metric["higher_is_better"], metric.get("scale", 1.0)
 
 
+def trial_point(summary: dict[str, Any], space: Space | None) -> Point:
+    """The grid point a finished trial ran at: its lr, weight decay and the space's other axes."""
+    settings = {"lr": summary["lr"], "weight_decay": summary.get("method.weight_decay")}
+    for name in space.names if space is not None else ():
+        if name not in settings:
+            settings[name] = summary.get(f"method.{name}")
+    return make_point(settings)
+
+
 def is_current(summary: dict[str, Any], tuning: Tuning, space: Space | None) -> bool:
     """Whether a finished trial belongs to the tuning as the spec is now: one of its seeds, a point of its grid
     and its budget (a runs folder keeps the trials of earlier grids and budgets, which must not be chosen)."""
     if summary.get("seed") not in tuning.seeds:
         return False
     if space is not None:
-        wd = summary.get("method.weight_decay") or 0.0
-        if not any(math.isclose(summary["lr"], lr, rel_tol=1e-6)
-                   and (space.axis is None or math.isclose(wd, point_wd or 0.0, rel_tol=1e-6, abs_tol=1e-12))
-                   for lr, point_wd in space.points()):
+        settings = dict(trial_point(summary, space))
+        settings["weight_decay"] = settings["weight_decay"] or 0.0
+        if not space.contains(settings):
             return False
     config = Path(summary.get("run_dir", "")) / "config.yaml"
     if config.is_file():
@@ -296,30 +386,36 @@ def select(summaries: list[dict[str, Any]], tuning: Tuning) -> list[Choice]:
     for s in summaries:
         hparams = {k.removeprefix("method."): v for k, v in s.items() if k.startswith("method.")}
         info = variant_of(s["method"], hparams)
+        space = tuning.space(info.name)
+        searched = {f"method.{name}" for name in (space.names if space else ())} | {"method.weight_decay"}
         others = tuple(sorted((k, _hashable(v)) for k, v in s.items()
                               if k in ("workers", "per_worker_batch") or
-                              (k.startswith("method.") and k != "method.weight_decay")))
+                              (k.startswith("method.") and k not in searched)))
         key = (s["task"], info.name, others)
-        if not is_current(s, tuning, tuning.space(info.name)):
+        if not is_current(s, tuning, space):
             earlier[key].append(s)
             continue
         if key not in choices:
             objective, higher, scale = _objective(s, tuning.objective)
             choices[key] = Choice(s["task"], info.name, info.label, others, objective, higher, scale,
                                   tuning.space(info.name))
-        point = (s["lr"], s.get("method.weight_decay"))
-        choices[key].trials.setdefault(point, []).append(s)
+        choices[key].trials.setdefault(trial_point(s, space), []).append(s)
     for key, c in choices.items():
         c.earlier = earlier.get(key, [])
         sign = 1.0 if c.higher_is_better else -1.0
 
         def rank(point: Point, c: Choice = c, sign: float = sign) -> tuple:
             score = c.score(point)
-            return (math.isnan(score), -sign * score if not math.isnan(score) else 0.0, point[0], point[1] or 0.0)
+            return (math.isnan(score), -sign * score if not math.isnan(score) else 0.0, _order(point))
 
         c.best = min(c.trials, key=rank)
         c.edges = c.space.edges(c.best) if c.space is not None else []
     return sorted(choices.values(), key=lambda c: (c.task, label_order(c.label), c.label, c.others))
+
+
+def _order(point: Point) -> tuple:
+    """Ties go to the smaller lr, then the smaller weight decay, then the other settings in their order."""
+    return tuple((v or 0.0) if isinstance(v, (int, float)) or v is None else show(v) for _, v in point)
 
 
 def load_trials(root: Path) -> list[dict[str, Any]]:
@@ -332,13 +428,13 @@ def load_trials(root: Path) -> list[dict[str, Any]]:
     return trials
 
 
-def kept_settings(path: Path) -> dict[str, Any]:
-    """The method settings of an existing tuned file other than lr and weight decay (e.g. betas): the trials ran
+def kept_settings(path: Path, tuned: tuple[str, ...] = ("lr", "weight_decay")) -> dict[str, Any]:
+    """The method settings of an existing tuned file other than the `tuned` ones (e.g. betas): the trials ran
     with them, so the rewritten file keeps them."""
     if not path.is_file():
         return {}
     method = (yaml.safe_load(path.read_text()) or {}).get("method") or {}
-    return {k: v for k, v in method.items() if k not in ("lr", "weight_decay")}
+    return {k: v for k, v in method.items() if k not in tuned}
 
 
 def same_setting(path: Path, text: str) -> bool:
@@ -348,12 +444,21 @@ def same_setting(path: Path, text: str) -> bool:
     return (yaml.safe_load(path.read_text()) or {}).get("method") == yaml.safe_load(text).get("method")
 
 
+def chosen_settings(c: Choice) -> dict[str, Any]:
+    """The method settings of the chosen point, with the weight decay the trials ran with when it was not searched."""
+    settings = dict(c.best)
+    if settings.get("weight_decay") is None:
+        settings["weight_decay"] = c.trials[c.best][0].get("method.weight_decay")
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items() if v is not None}
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml_float(value) if isinstance(value, float) else json.dumps(value)  # JSON values are YAML
+
+
 def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: str,
                kept: dict[str, Any] | None = None) -> str:
     """A conf/tuned file for the choice, its provenance in comments; `kept`: other method settings it keeps."""
-    lr, wd = c.best
-    trial = c.trials[c.best][0]
-    wd = trial.get("method.weight_decay") if wd is None else wd
     lines = ["# @package _global_",
              f"# Tuned {date} by `{command}` (distlion.tuning): spec {spec_name}, {c.label} on {c.task}"
              + (f" ({', '.join(f'{k}={v}' for k, v in c.others if k in ('workers', 'per_worker_batch'))})"
@@ -364,31 +469,40 @@ def tuned_text(c: Choice, spec_name: str, tuning: Tuning, command: str, date: st
              f"{len(c.runs)} trials, {c.steps} trial-steps, {c.wall:.0f} s."]
     if c.edges:
         lines.append(f"# WARNING: accepted on the edge of its grid ({'; '.join(c.edges)}): widen the grid.")
-    lines += ["method:", f"  lr: {yaml_float(lr)}"]
-    if wd is not None:
-        lines.append(f"  weight_decay: {yaml_float(wd)}")
+    lines.append("method:")
+    lines += [f"  {key}: {_yaml_value(value)}" for key, value in chosen_settings(c).items()]
     if kept:
         lines.append("  # kept from the file the trials ran with (not tuned here):")
-        lines += [f"  {key}: {json.dumps(value)}" for key, value in kept.items()]  # JSON values are YAML
+        lines += [f"  {key}: {json.dumps(value)}" for key, value in kept.items()]
     return "\n".join(lines) + "\n"
 
 
+def _beside_lr(c: Choice, point: Point) -> tuple[tuple[str, Any], ...]:
+    """The point's coordinates other than lr: one line of the plot, one group of the table."""
+    names = [a.name for a in c.space.axes[1:]] if c.space else ["weight_decay"]
+    return tuple((name, c.space.coordinate(point, name) if c.space else dict(point).get(name)) for name in names)
+
+
+def _describe(coordinates: tuple[tuple[str, Any], ...]) -> str:
+    short = {"weight_decay": "wd", "lr_x_wd": "lr x wd"}
+    return "".join(f", {short.get(k, k)}={show(v)}" for k, v in coordinates if v is not None)
+
+
 def _plot(choices: list[Choice], path: Path) -> None:
-    """The validation objective against lr, log x: one line per method and second-axis value, chosen point starred."""
+    """The validation objective against lr, log x: one line per method and setting of the other axes, chosen
+    point starred."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     cmap = plt.get_cmap("tab10")
     styles = ("-", "--", ":", "-.")
     for i, c in enumerate(choices):
         lines: dict[Any, list[Point]] = defaultdict(list)
         for point in c.trials:
-            lines[c.space.coordinate(point) if c.space else point[1]].append(point)
-        for j, (second, points) in enumerate(sorted(lines.items(), key=lambda kv: kv[0] or 0.0)):
-            points.sort()
-            name = "" if second is None else (
-                f", wd={second:g}" if c.space is None or c.space.axis == "weight_decay" else f", lr x wd={second:g}")
-            ax.plot([p[0] for p in points], [c.scale * c.score(p) for p in points], marker="o", markersize=4,
-                    color=cmap(i % 10), ls=styles[j % len(styles)], label=f"{c.label}{name}")
-        ax.plot(c.best[0], c.scale * c.score(c.best), marker="*", markersize=14, color=cmap(i % 10),
+            lines[_beside_lr(c, point)].append(point)
+        for j, (beside, points) in enumerate(sorted(lines.items(), key=lambda kv: _order(kv[1][0])[1:])):
+            points.sort(key=_order)
+            ax.plot([dict(p)["lr"] for p in points], [c.scale * c.score(p) for p in points], marker="o",
+                    markersize=4, color=cmap(i % 10), ls=styles[j % len(styles)], label=f"{c.label}{_describe(beside)}")
+        ax.plot(dict(c.best)["lr"], c.scale * c.score(c.best), marker="*", markersize=14, color=cmap(i % 10),
                 markeredgecolor="black", ls="none")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
@@ -396,20 +510,21 @@ def _plot(choices: list[Choice], path: Path) -> None:
     ax.set_ylabel(f"{metric} at the end of the trial" + (" (%)" if choices[0].scale == 100 else ""))
     ax.set_title("tuning: validation objective against lr (star: chosen)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize=7 if sum(len(c.trials) for c in choices) < 60 else 5, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
 def _trial_table(c: Choice) -> list[str]:
-    second = {"weight_decay": "weight decay", "lr_x_wd": "lr x wd"}.get(c.space.axis if c.space else None)
-    header = ["lr", "weight decay", *([second] if second == "lr x wd" else []), c.objective, "seeds", "steps",
-              "wall (s)"]
+    extra = [a.name for a in c.space.axes if a.name not in ("lr", "weight_decay")] if c.space else []
+    names = {"lr_x_wd": "lr x wd"}
+    header = ["lr", "weight decay", *(names.get(n, n) for n in extra), c.objective, "seeds", "steps", "wall (s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for point in sorted(c.trials, key=lambda p: (p[0], p[1] or 0.0)):
-        runs = c.trials[point]
-        cells = [f"{point[0]:g}", "—" if point[1] is None else f"{point[1]:g}",
-                 *([f"{c.space.coordinate(point):g}"] if second == "lr x wd" else []),
+    for point in sorted(c.trials, key=_order):
+        runs, settings = c.trials[point], dict(point)
+        cells = [show(settings["lr"]), "—" if settings.get("weight_decay") is None else show(settings["weight_decay"]),
+                 *(show(c.space.coordinate(point, n)) for n in extra),
                  f"{c.scale * c.score(point):.4g}", str(len(runs)), str(sum(r["steps"] for r in runs)),
                  f"{sum(r['wall_time'] for r in runs):.1f}"]
         if point == c.best:
@@ -447,22 +562,22 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
              f"validation objective at the end of each trial (mean over seeds), never by the test split, which "
              "the trials do not evaluate (`train.test_eval=false`). Trials: `runs/<spec>/tuning/`.\n",
              f"![validation objective against lr]({plot})\n",
-             "| method | task | settings | trials | failed | trial-steps | wall (s) | chosen lr | weight decay | "
-             "objective | on edge | written |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| method | task | settings | trials | failed | trial-steps | wall (s) | chosen | "
+             "objective | on edge | written |", "|---|---|---|---:|---:|---:|---:|---|---:|---|---|"]
     sections = []
     for c in choices:
-        wd = c.trials[c.best][0].get("method.weight_decay")
+        chosen = ", ".join(f"{k}={show(v)}" for k, v in chosen_settings(c).items())
         failed = [f for f in failures if f"method={c.method}" in f.get("overrides", [])]
         target = f"{c.task}_{c.method}.yaml"
-        if tuned_dir is None:
-            status = "not asked"
+        if tuned_dir is None or not tuning.write_tuned:
+            status = "not asked" if tuned_dir is None else "no: tuning.write_tuned=false (the spec's runs alone)"
         elif len(pairs[(c.task, c.method)]) > 1:
             status = "no: several settings tuned (one file per task and method)"
         elif c.edges and not accept_edge:
             status = "**no: on the edge**"
         else:
             tuned_dir.mkdir(parents=True, exist_ok=True)
-            kept = kept_settings(tuned_dir / target)
+            kept = kept_settings(tuned_dir / target, ("lr", "weight_decay", *(c.space.names if c.space else ())))
             text = tuned_text(c, spec["name"], tuning, command, date, kept)
             if same_setting(tuned_dir / target, text):
                 # A rerun (or another spec choosing from the same trials) keeps the file and its provenance:
@@ -476,11 +591,11 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
         more = f" (+{len(c.earlier)} earlier)" if c.earlier else ""
         lines.append(f"| {c.label} | {c.task} | {others} | {len(c.runs)}{more} | {len(failed)} | {c.steps} "
                      f"| {c.wall:.0f} "
-                     f"| {c.best[0]:g} | {wd if wd is not None else '—'} | {c.scale * c.score(c.best):.4g} | "
+                     f"| {chosen} | {c.scale * c.score(c.best):.4g} | "
                      f"{'**YES**' if c.edges else 'no'} | {status} |")
         section = [f"\n## {c.label} on {c.task} ({others})\n",
-                   f"Grid: {c.space.describe() if c.space else 'not in this spec'}. Chosen: lr={c.best[0]:g}, "
-                   f"weight decay={wd}, {c.objective}={c.scale * c.score(c.best):.4g}. Compute: {len(c.runs)} trials, "
+                   f"Grid: {c.space.describe() if c.space else 'not in this spec'}. Chosen: {chosen}, "
+                   f"{c.objective}={c.scale * c.score(c.best):.4g}. Compute: {len(c.runs)} trials, "
                    f"{c.steps} trial-steps, {c.wall:.1f} s.\n"]
         if c.earlier:
             steps, wall = sum(e["steps"] for e in c.earlier), sum(e["wall_time"] for e in c.earlier)
@@ -504,3 +619,4 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
     for path in written:
         print(f"distlion: wrote {path}", flush=True)
     return choices
+

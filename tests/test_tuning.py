@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlion.tuning import Space, SpecError, log_grid, parse_tuning, select, trial_sweeps, write_tuning
+from distlion.tuning import (
+    Axis,
+    Space,
+    SpecError,
+    log_grid,
+    make_point,
+    parse_tuning,
+    select,
+    trial_sweeps,
+    write_tuning,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,15 +57,16 @@ def test_a_grid_moved_off_an_edge_meets_the_old_trials_at_the_same_values():
 def test_every_method_gets_the_same_density_and_lr_x_wd_pairs():
     tuning = parse_tuning(tuning_spec())
     adamw, dlion = tuning.spaces
-    assert adamw.lr == log_grid(1e-4, 1e-2, 2) and adamw.values == log_grid(1e-3, 1e-1, 2)
+    assert adamw.lr == log_grid(1e-4, 1e-2, 2) and adamw.axis("weight_decay").values == log_grid(1e-3, 1e-1, 2)
     assert len(adamw.points()) == 5 * 5
-    assert dlion.axis == "lr_x_wd" and len(dlion.points()) == 5 * 3
-    for lr, wd in dlion.points():  # weight decay = product / lr, so each product is searched at every lr
-        assert any(math.isclose(lr * wd, p, rel_tol=1e-2) for p in dlion.values)
+    assert dlion.axis("lr_x_wd") is not None and len(dlion.points()) == 5 * 3
+    for point in dlion.points():  # weight decay = product / lr, so each product is searched at every lr
+        lr, wd = dict(point)["lr"], dict(point)["weight_decay"]
+        assert any(math.isclose(lr * wd, p, rel_tol=1e-2) for p in dlion.axis("lr_x_wd").values)
     sweeps = trial_sweeps(tuning)
     assert sweeps[0] == "method=adamw method.lr=0.0001,0.000316,0.001,0.00316,0.01 " \
                         "method.weight_decay=0.001,0.00316,0.01,0.0316,0.1"
-    assert sweeps[1] == "method=dlion method.lr=1e-05 method.weight_decay=1,3.16,10"  # one sweep per lr
+    assert sweeps[1] == "method=dlion method.lr=1e-05 method.weight_decay=1.0,3.16,10.0"  # one sweep per lr
     assert len(sweeps) == 1 + 5
 
 
@@ -89,23 +100,26 @@ def test_selection_picks_by_validation_where_test_disagrees():
             # two seeds at 3.16e-3: the mean (0.75) counts, not the best seed (0.85) nor the test (0.99)
             summary("adamw", 3.16e-3, 0.85, 0.99), summary("adamw", 3.16e-3, 0.65, 0.99, seed=1)]
     (choice,) = select(runs, tuning)
-    assert choice.best == (1e-3, 0.1) and choice.objective == "val_accuracy"
+    assert dict(choice.best) == {"lr": 1e-3, "weight_decay": 0.1} and choice.objective == "val_accuracy"
     assert choice.edges == [] and len(choice.runs) == 5 and choice.steps == 300
 
     loss = parse_tuning(tuning_spec(objective="val_loss", seeds=[0, 1], spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
-    assert select(runs, loss)[0].best == (1e-3, 0.1)  # lower is better for a loss
+    assert dict(select(runs, loss)[0].best)["lr"] == 1e-3  # lower is better for a loss
 
     tie = [summary("adamw", 1e-3, 0.8, 0.1), summary("adamw", 3.16e-4, 0.8, 0.9)]
-    assert select(tie, tuning)[0].best == (3.16e-4, 0.1)  # a tie: the smaller lr, whatever the order
+    assert dict(select(tie, tuning)[0].best)["lr"] == 3.16e-4  # a tie: the smaller lr, whatever the order
 
 
 def test_the_best_point_on_the_edge_of_its_grid_is_warned_and_not_written(tmp_path, capsys):
     tuning = parse_tuning(tuning_spec(spaces={"adamw": {"lr": [1e-4, 1e-2]},
                                               "dlion": {"lr": [1e-4, 1e-2], "lr_x_wd": [1e-5, 1e-3]}}))
     dlion = tuning.space("dlion")
-    assert dlion.edges((1e-3, 0.1)) == []  # lr and lr x wd (1e-4) inside their grids
-    assert dlion.edges((1e-3, 0.01)) == ["lr_x_wd=1e-05 is the lowest of its grid"]
-    assert dlion.edges((1e-2, 0.01)) == ["lr=0.01 is the highest of its grid"]
+    def at(lr, wd):
+        return make_point({"lr": lr, "weight_decay": wd})
+
+    assert dlion.edges(at(1e-3, 0.1)) == []  # lr and lr x wd (1e-4) inside their grids
+    assert dlion.edges(at(1e-3, 0.01)) == ["lr_x_wd=1e-05 is the lowest of its grid"]
+    assert dlion.edges(at(1e-2, 0.01)) == ["lr=0.01 is the highest of its grid"]
     trials = tmp_path / "tuning"
     for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.6), (1e-2, 0.9)]):
         (trials / str(i)).mkdir(parents=True)
@@ -164,7 +178,7 @@ seeds: [0]
 tuning:
   objective: validation
   budget: {train.steps: 3}
-  seeds: [0]
+  seeds: [100]
   grid_points_per_decade: 1
   spaces:
     adamw: {lr: [1e-3, 1e-2]}
@@ -219,8 +233,9 @@ def test_tuning_end_to_end_never_touches_the_test_split(tmp_path):
 
 
 def test_a_space_reads_its_point_on_the_lr_x_wd_grid():
-    space = Space("lion", (1e-4, 1e-3), "lr_x_wd", (1e-5, 1e-4))
-    assert space.coordinate((1e-3, 0.1)) == 1e-4 and space.coordinate((1e-4, 0.1)) == 1e-5
+    space = Space("lion", (Axis("lr", (1e-4, 1e-3)), Axis("lr_x_wd", (1e-5, 1e-4))))
+    assert space.coordinate(make_point({"lr": 1e-3, "weight_decay": 0.1}), "lr_x_wd") == 1e-4
+    assert space.coordinate(make_point({"lr": 1e-4, "weight_decay": 0.1}), "lr_x_wd") == 1e-5
 
 
 def test_trials_of_an_earlier_grid_budget_or_seed_are_not_chosen(tmp_path):
@@ -236,7 +251,7 @@ def test_trials_of_an_earlier_grid_budget_or_seed_are_not_chosen(tmp_path):
             summary("adamw", 1e-2, 0.99, 0.99, seed=7),  # a seed the spec no longer tunes over
             summary("adamw", 1e-4, 0.99, 0.99, run_dir=str(stale_dir))]  # another budget
     (choice,) = select(runs, tuning)
-    assert choice.best == (1e-3, 0.1) and list(choice.trials) == [(1e-3, 0.1)]
+    assert dict(choice.best) == {"lr": 1e-3, "weight_decay": 0.1} and list(choice.trials) == [choice.best]
     # ... but they were tuning effort, and the report counts them beside the grid's trials
     assert sorted(e["lr"] for e in choice.earlier) == [1e-4, 3e-3, 1e-2]
     trials = tmp_path / "tuning"
@@ -275,11 +290,11 @@ def test_tune_runs_no_final_run_while_a_choice_lies_on_the_edge(tmp_path, monkey
 
     spec = tmp_path / "edge.yaml"
     spec.write_text("name: edge\nbase: [task=digits]\nsweeps: [method=adamw]\nseeds: [0]\ntuning:\n"
-                    "  grid_points_per_decade: 1\n  spaces:\n    adamw: {lr: [1e-4, 1e-2]}\n")
+                    "  seeds: [100]\n  grid_points_per_decade: 1\n  spaces:\n    adamw: {lr: [1e-4, 1e-2]}\n")
     trials = tmp_path / "runs" / "edge" / "tuning"
     for i, (lr, val) in enumerate([(1e-4, 0.5), (1e-3, 0.6), (1e-2, 0.9)]):  # best: the top of the grid
         (trials / str(i)).mkdir(parents=True)
-        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5)))
+        (trials / str(i) / "summary.json").write_text(json.dumps(summary("adamw", lr, val, 0.5, seed=100)))
     sweeps = []
     monkeypatch.setattr(experiment, "_run_sweeps", lambda commands: sweeps.append(commands) or 0)
     monkeypatch.setattr(sys, "argv", ["distlion-experiment", str(spec), "--out", str(tmp_path), "--tune",
@@ -320,3 +335,82 @@ def test_a_tuned_file_holding_the_chosen_setting_is_left_as_it_is(tmp_path):
     write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tuned)
     assert yaml.safe_load(target.read_text())["method"] == {"lr": 1e-3, "weight_decay": 0.1}
     assert "spec t," in target.read_text()
+
+
+def test_trial_seeds_that_are_final_seeds_are_refused(tmp_path, capsys):
+    from distlion import experiment
+
+    spec = tmp_path / "reuse.yaml"
+    spec.write_text("name: reuse\nbase: [task=digits]\nsweeps: [method=adamw]\nseeds: [0, 1, 2]\ntuning:\n"
+                    "  seeds: [1, 100]\n  grid_points_per_decade: 1\n  spaces:\n    adamw: {lr: [1e-4, 1e-2]}\n")
+    with pytest.raises(SystemExit, match=r"tuning.seeds and the final seeds share \[1\]"):
+        sys.argv = ["distlion-experiment", str(spec), "--out", str(tmp_path), "--tune"]
+        experiment.main()
+    assert not (tmp_path / "runs").exists()  # refused before any trial ran
+
+
+LM_SPACES = {"lion": {"lr": [2.15e-4, 2.15e-3], "weight_decay": {"values": [0, 0.1, 1.0]},
+                      "betas": {"values": [[0.9, 0.99], [0.95, 0.98]]}},
+             "adamw": {"lr": [1e-3, 1e-2], "weight_decay": {"values": [0, 0.1, 0.3]},
+                       "betas": {"values": [[0.9, 0.95], [0.9, 0.999]]}}}
+
+
+def test_a_grid_over_lr_weight_decay_and_betas():
+    tuning = parse_tuning(tuning_spec(grid_points_per_decade=3, trials=24, seeds=[100, 101], spaces=LM_SPACES))
+    lion = tuning.space("lion")
+    assert lion.names == ("lr", "weight_decay", "betas") and len(lion.points()) == 4 * 3 * 2
+    assert lion.lr == (2.15e-4, 4.64e-4, 1e-3, 2.15e-3)
+    assert trial_sweeps(tuning)[0] == ("method=lion method.lr=0.000215,0.000464,0.001,0.00215 "
+                                       "method.weight_decay=0.0,0.1,1.0 method.betas=[0.9,0.99],[0.95,0.98]")
+
+    def at(lr, wd, betas):
+        return make_point({"lr": lr, "weight_decay": wd, "betas": betas})
+
+    # a weight decay of 0 is no edge (nothing lies below it); betas are values, not a range
+    assert lion.edges(at(1e-3, 0.0, [0.9, 0.99])) == []
+    assert lion.edges(at(1e-3, 1.0, [0.95, 0.98])) == ["weight_decay=1.0 is the highest of its grid"]
+    with pytest.raises(SpecError, match="give a log range"):
+        parse_tuning(tuning_spec(spaces={"lion": {"lr": [1e-4, 1e-3], "betas": [0.9, 0.99, 0.5]}}))
+    with pytest.raises(SpecError, match="same number of trials"):
+        parse_tuning(tuning_spec(grid_points_per_decade=3, trials=24,
+                                 spaces={**LM_SPACES, "dlion": {"lr": [2.15e-4, 2.15e-3]}}))
+
+
+def test_selection_over_betas_writes_them_into_the_tuned_file(tmp_path):
+    tuning = parse_tuning(tuning_spec(grid_points_per_decade=3, seeds=[100, 101], spaces=LM_SPACES))
+    trials = tmp_path / "tuning"
+    scores = {(1e-3, 0.1, (0.95, 0.98)): (0.9, 0.8), (1e-3, 0.1, (0.9, 0.99)): (0.95, 0.6),
+              (4.64e-4, 0.0, (0.9, 0.99)): (0.7, 0.7)}
+    for i, ((lr, wd, betas), vals) in enumerate(scores.items()):
+        for seed, val in zip((100, 101), vals):
+            (trials / f"{i}-{seed}").mkdir(parents=True)
+            run = summary("lion", lr, val, 0.5, seed=seed, wd=wd, **{"method.betas": list(betas)})
+            (trials / f"{i}-{seed}" / "summary.json").write_text(json.dumps(run))
+    (choice,) = write_tuning({"name": "t"}, tuning, trials, tmp_path / "results", "cmd", tmp_path / "tuned")
+    # the mean over the two trial seeds decides (0.85 against 0.775), not the best single seed (0.95)
+    assert dict(choice.best) == {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.95, 0.98)}
+    assert len(choice.runs) == 6 and len(choice.trials) == 3
+    written = yaml.safe_load((tmp_path / "tuned" / "digits_lion.yaml").read_text())["method"]
+    assert written == {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.95, 0.98]}
+    md = (tmp_path / "results" / "tuning.md").read_text()
+    assert "| **0.001** | **0.1** | **[0.95,0.98]** | **85** | **2** |" in md
+
+
+def test_final_runs_take_the_choice_of_their_own_workers(tmp_path):
+    from distlion.experiment import final_sweeps
+
+    tuning = parse_tuning(tuning_spec(seeds=[100], spaces={"adamw": {"lr": [1e-4, 1e-2]}}))
+    runs = [summary("adamw", 1e-3, 0.9, 0.5, seed=100), summary("adamw", 1e-2, 0.5, 0.5, seed=100),
+            summary("adamw", 1e-3, 0.5, 0.5, seed=100, workers=8),
+            summary("adamw", 1e-2, 0.9, 0.5, seed=100, workers=8)]
+    choices = select(runs, tuning)
+    assert len(choices) == 2
+    spec = {"base": ["task=digits"], "sweeps": ["method=adamw cluster.workers=4,8"]}
+    assert final_sweeps(spec, choices) == ["method=adamw cluster.workers=4 method.lr=0.001 method.weight_decay=0.1",
+                                           "method=adamw cluster.workers=8 method.lr=0.01 method.weight_decay=0.1"]
+    # tuned at 4 workers alone: the 16-worker runs use that choice, as such a spec says
+    assert final_sweeps({"sweeps": ["method=adamw cluster.workers=16"]}, choices[:1]) == [
+        "method=adamw cluster.workers=16 method.lr=0.001 method.weight_decay=0.1"]
+    with pytest.raises(SpecError, match="2 tuned settings of adamw fit"):  # which of the two? say so
+        final_sweeps({"sweeps": ["method=adamw cluster.workers=16"]}, choices)
+    assert final_sweeps({"sweeps": ["method=dlion"]}, choices) == ["method=dlion"]  # not tuned: its config
