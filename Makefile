@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv and install distlion with its dev tools
 
 demo: setup  ## the main job on the embedded digits data: a method x workers x 3 seeds sweep, then results/demo/
-	$(VENV)/bin/distlion-experiment experiments/demo.yaml --jobs 2
+	$(VENV)/bin/distlion-experiment experiments/demo.yaml --jobs 2 --no-records
 
 test: setup  ## the test suite (about 12-15 minutes on 2 cores once installed)
 	$(VENV)/bin/pytest -q

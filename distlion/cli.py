@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import hashlib
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ import tempfile
 import traceback
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from distlion.runio import RunDirBusy, RunDirConflict
+from distlion.comm.collectives import CollectiveError
+from distlion.runio import HASH_DIR, RunDirBusy, RunDirConflict, config_hash
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 FAILED = "failed.json"  # a sweep point's failure record, in its run directory
@@ -53,7 +56,7 @@ def error_line(err: BaseException) -> str | None:
     unknown_key = isinstance(err.__cause__, (ConfigKeyError, ConfigAttributeError))
     if isinstance(err, ConfigCompositionException) and unknown_key:
         return _key_hint(err.__cause__.full_key or "")
-    if isinstance(err, (HydraException, ValueError, FloatingPointError, OSError)):
+    if isinstance(err, (HydraException, ValueError, FloatingPointError, OSError, CollectiveError)):
         return " ".join(str(err).split()) or type(err).__name__
     return None
 
@@ -97,11 +100,26 @@ def _key_hint(key: str) -> str:
     return f"{key} is not a setting; {mean} (+{key}=... adds a new one)"
 
 
+def hash_named(run_dir: Path, cfg: DictConfig, overrides: list[str]) -> Path:
+    """The run's folder: Hydra's, or where conf/config.yaml leaves the name to us (`HASH_DIR`), the config hash
+    beside it, so that a config has one folder whatever overrides spelled it. A config that does not resolve gets a
+    folder named by its overrides, where its failure is recorded."""
+    if run_dir.name != HASH_DIR:
+        return run_dir  # a folder the user named (hydra.run.dir=...)
+    with suppress(OSError):
+        run_dir.rmdir()  # the empty folder Hydra made under the placeholder name (another job may still hold it)
+    try:
+        name = config_hash(cfg)
+    except Exception:  # noqa: BLE001 - the run reports what is wrong with the config, in this folder
+        name = "unresolved-" + hashlib.sha256(" ".join(overrides).encode()).hexdigest()[:16]
+    return run_dir.parent / name
+
+
 def run_point(run: Callable[[DictConfig, Path], dict[str, Any]], cfg: DictConfig) -> dict[str, Any] | None:
     """`run(cfg, run_dir)` as Hydra's task, into the run directory Hydra chose; its summary, or None for a
     point of a sweep that failed (recorded) or that another process is running (skipped)."""
     hydra = HydraConfig.get()
-    run_dir = Path(hydra.runtime.output_dir)
+    run_dir = hash_named(Path(hydra.runtime.output_dir), cfg, list(hydra.overrides.task))
     if hydra.mode != RunMode.MULTIRUN:
         try:
             return run(cfg, run_dir)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import itertools
+import json
 import os
 import shlex
 import shutil
@@ -45,7 +46,9 @@ from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
 from distlion.methods import method_info
+from distlion.records import INDEX, pack, pack_spec, unpack
 from distlion.report import Target, derive_target, load_runs, write_report, write_task_target
+from distlion.runio import HASH_DIR
 from distlion.tuning import (
     Choice,
     SpecError,
@@ -86,34 +89,46 @@ def sweep_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[st
 
 def unfinished(commands: list[list[str]], conf_dir: Path) -> list[list[str]]:
     """The sweep commands with a point still to run: a sweep whose every point has a finished run of its config
-    (by config hash) in its sweep folder is left out, so a rerun of a finished spec launches nothing, and a sweep
-    with fewer points left than its joblib `n_jobs` asks for only as many (the rest go to the next sweeps; see
-    `_run_sweeps`). A point whose config does not compose here is launched, to fail there with its own message."""
+    (in its folder `<sweep dir>/<config hash>/`) is left out, so a rerun of a finished spec launches nothing, and a
+    sweep with fewer points left than its joblib `n_jobs` asks for only as many (the rest go to the next sweeps; see
+    `_run_sweeps`). A point whose config does not compose here is launched, to fail there with its own message.
+    Writes each sweep folder's index: the spec's points and their config hashes (`write_index`)."""
     from hydra import compose, initialize_config_dir
 
     from distlion.runio import config_hash, read_summary
 
-    pending, skipped_runs = [], 0
+    pending, skipped_runs, index = [], 0, {}
     with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
         for command in commands:
             overrides = command[command.index("-m", 3) + 1:]
             sweep_dir = Path(next(o for o in overrides if o.startswith("hydra.sweep.dir=")).split("=", 1)[1])
-            done = {summary.get("config_hash") for summary in map(read_summary, sweep_dir.glob("*"))
-                    if summary is not None} if sweep_dir.is_dir() else set()
             try:
                 points = sweep_points(shlex.join(o for o in overrides if not o.startswith("hydra")))
-                left = [p for p in points if config_hash(compose("config", overrides=p)) not in done]
+                hashes = {shlex.join(p): config_hash(compose("config", overrides=p)) for p in points}
             except Exception:  # noqa: BLE001 - the run itself reports what is wrong with it
-                left = points = [[]]
+                points, hashes = [[]], {}
+            index.setdefault(sweep_dir, {}).update(hashes)
+            left = len(points) - sum(read_summary(sweep_dir / h) is not None for h in hashes.values())
             if left:
                 n_jobs = launcher_jobs(command)
-                pending.append(command if n_jobs is None else with_n_jobs(command, min(n_jobs, len(left))))
+                pending.append(command if n_jobs is None else with_n_jobs(command, min(n_jobs, left)))
             else:
                 skipped_runs += len(points)
+    for sweep_dir, hashes in index.items():
+        write_index(sweep_dir, hashes)
     if len(pending) < len(commands):
         print(f"distlion: {len(commands) - len(pending)} of {len(commands)} sweeps ({skipped_runs} runs) are finished "
               f"in {sweep_dir.parent.name}/{sweep_dir.name}; not launched", file=sys.stderr)
     return pending
+
+
+def write_index(sweep_dir: Path, hashes: dict[str, str]) -> None:
+    """`<sweep dir>/index.json`: each point of the spec as it is now (its overrides) and the config hash that names
+    its run folder. The report reads the runs it lists; the folder may hold others (earlier grids, other seeds)."""
+    from distlion.runio import atomic_write_text
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(sweep_dir / INDEX, json.dumps({"version": 1, "points": hashes}, indent=1) + "\n")
 
 
 def sweep_points(sweep: str) -> list[list[str]]:
@@ -166,7 +181,7 @@ def finetuning(spec: dict, model_dir: Path) -> dict:
 
 def netem_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[str]]:
     """One command per point, seed and link of a spec with a `netem: {ranks, rates}` section: torchrun with
-    `ranks` ranks under distlion-netem, each rank on its own link of the rate, into runs_dir/<its overrides>.
+    `ranks` ranks under distlion-netem, each rank on its own link of the rate, into runs_dir/<its config hash>.
     `rates` is a list, or a mapping from each rate to overrides of its runs (e.g. a shorter train.steps).
     Timed runs: one at a time, so that they do not share the machine."""
     ranks, rates = int(spec["netem"]["ranks"]), spec["netem"]["rates"]
@@ -177,16 +192,12 @@ def netem_commands(spec: dict, extra: list[str], runs_dir: Path) -> list[list[st
         for point in sweep_points(sweep):
             for seed in spec.get("seeds", [0]):
                 for rate, per_rate in rates.items():
-                    varying = [*point, *per_rate, f"seed={seed}", f"cluster.link={rate}"]
-                    overrides = [*spec.get("base", []), *varying]
-                    # Named by what varies across the spec's runs (the base is in each run's config.yaml): a
-                    # name of every override outgrows a file name's 255 bytes.
-                    name = ",".join(sorted({o.partition("=")[0]: o for o in varying}.values()))
+                    overrides = [*spec.get("base", []), *point, *per_rate, f"seed={seed}", f"cluster.link={rate}"]
                     commands.append([
                         sys.executable, "-m", "distlion.netem", "--ranks", str(ranks), "--rate", rate, "--",
                         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                         "-m", "distlion.train", f"experiment={spec['name']}", *overrides, *extra,
-                        f"hydra.run.dir='{runs_dir / name}'"])
+                        f"hydra.run.dir='{runs_dir / HASH_DIR}'"])
     return commands
 
 
@@ -327,6 +338,11 @@ def main() -> None:
     parser.add_argument("--conf-dir", type=Path, default=CONF,
                         help="config folder of every run, whose tuned/ the tuning writes (default: conf/; another "
                              "folder starts as a copy of conf/)")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse a report of dirty runs or of commits whose method or task code differs")
+    parser.add_argument("--no-records", action="store_true",
+                        help="train what runs/<name>/ lacks even where results/<name>/records/ holds it (a demo "
+                             "that shows the training; the records keep their first copy)")
     parser.add_argument("--estimate", action="store_true",
                         help="train nothing: print runs x steps x seconds per step = device-hours on the runs' "
                              "train.device (distlion/estimate.py)")
@@ -344,6 +360,10 @@ def main() -> None:
         from distlion.estimate import main_estimate
 
         sys.exit(main_estimate(spec, tuning, args.overrides, args.conf_dir, base_dir, args.memory))
+    # The recorded runs of results/<spec>/records/ (another machine's, a clean clone's) count as finished here.
+    restored = 0 if args.no_records else unpack(results_dir / "records", base_dir)
+    if restored:
+        print(f"distlion: {restored} finished runs restored from {results_dir / 'records'}", file=sys.stderr)
     # With a tuning or a pretraining the final runs sit beside them in final/, and the report reads those.
     runs_dir = base_dir / "final" if tuning is not None or "pretrain" in spec else base_dir
     trials_dir = base_dir / "tuning"
@@ -374,6 +394,7 @@ def main() -> None:
         commands = unfinished(sweep_commands(trial_spec(spec, tuning), args.overrides + launcher, trials_dir),
                               args.conf_dir)
         _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])  # failed trials are listed
+        pack(trials_dir, results_dir / "records", "tuning")
         flags = ["--tune-only" if args.tune_only else "--tune", *(["--accept-edge"] if args.accept_edge else [])]
         try:
             with report_lock(base_dir):
@@ -400,6 +421,8 @@ def main() -> None:
     elif not args.report_only:
         commands = unfinished(sweep_commands(spec, args.overrides + launcher, runs_dir), args.conf_dir)
         failed_sweeps += _run_sweeps([with_config_dir(c, args.conf_dir) for c in commands])
+    if not args.report_only:  # what finished, packed beside the tables (committed with them)
+        pack_spec(base_dir, results_dir / "records")
     report = spec.get("report", {})
     with report_lock(runs_dir):
         failures = read_failures(runs_dir)
@@ -408,7 +431,8 @@ def main() -> None:
             if "target_from" in report:  # AlgoPerf's rule, from this spec's own finished runs
                 target = spec_target(spec, runs_dir, args.conf_dir if args.set_target else None)
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
-                                notes=spec.get("description"), target=target)
+                                notes=spec.get("description"), target=target, strict=args.strict,
+                                reference=method_info(report.get("reference", "adamw")).label)
             if report.get("links"):  # simulated runs at links they never used: the cost model's time
                 write_modelled(runs, results_dir, [str(link) for link in report["links"]])
                 print(f"modelled wall-clock in {results_dir / 'modelled_time.md'}")
@@ -417,7 +441,7 @@ def main() -> None:
                 write_wallclock(runs_dir, results_dir, value)
                 print(f"wall-clock tables in {results_dir / 'wallclock.md'}")
             print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")
-        except (FileNotFoundError, ValueError) as err:  # no finished run (the failures below say why), a bad target
+        except (FileNotFoundError, ValueError) as err:  # no finished run, a bad target, --strict
             print(f"distlion: error: {err}", file=sys.stderr)
             failed_sweeps += 1
     for record in failures:

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -63,12 +64,16 @@ Run = dict[str, Any]
 
 
 def load_runs(root: Path) -> list[Run]:
-    """Every finished run under `root`, with its evaluations and logged steps under "curve", its method's
-    label, its task's readable name and its declared metrics (from the summary, or for summaries written
-    before the validation split, the `eval_*` ones of the task's class)."""
+    """Every finished run under `root` (those its index lists, where it has one), with its evaluations and logged
+    steps under "curve", its method's label, its task's readable name and its declared metrics (from the summary, or
+    for summaries written before the validation split, the `eval_*` ones of the task's class)."""
     runs = []
+    index = root / "index.json"  # the spec's points as it is now (distlion.experiment.write_index)
+    listed = set(json.loads(index.read_text())["points"].values()) if index.is_file() else None
     for path in sorted(root.rglob("summary.json")):
         run = json.loads(path.read_text())
+        if listed is not None and run.get("config_hash") not in listed:
+            continue  # a run of an earlier grid or seed list, kept in the folder but not in the spec's tables
         metrics = path.parent / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         run["curve"] = [json.loads(line) for line in lines if line]
@@ -332,6 +337,82 @@ def pivot_table(runs: list[Run], columns: str = "workers") -> str:
         shown = [f"{_fmt(metric, _values(c, metric.key))} (n={len(c)})" if c else "—" for c in cells]
         lines.append(f"| {legend_text(keys, row)} | {' | '.join(shown)} |")
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The mean paired difference (method - reference) over seeds, in display units, with its 95% t-interval."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def resolved(self) -> bool:
+        return self.n >= 2 and not (self.low <= 0.0 <= self.high)
+
+    def show(self, decimals: int) -> str:
+        if self.n < 2:
+            return f"{self.mean:+.{decimals}f} (n={self.n}, no interval)"
+        text = f"{self.mean:+.{decimals}f} [{self.low:+.{decimals}f}, {self.high:+.{decimals}f}] (n={self.n})"
+        return text if self.resolved else text + " not resolved"
+
+
+def paired(members: list[Run], reference: list[Run], metric: Metric) -> Paired | None:
+    """Differences of runs at the same seed (same data order and initialisation), mean and 95% t-interval."""
+    from scipy.stats import t
+
+    ref = {r["seed"]: r[metric.key] for r in reference if r.get(metric.key) is not None}
+    diffs = [metric.scale * (r[metric.key] - ref[r["seed"]]) for r in members
+             if r.get(metric.key) is not None and r["seed"] in ref]
+    if not diffs:
+        return None
+    mean = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return Paired(mean, math.nan, math.nan, 1)
+    half = t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return Paired(mean, mean - half, mean + half, len(diffs))
+
+
+def paired_table(runs: list[Run], reference: str) -> tuple[str, list[str]]:
+    """Each method against `reference` (a label, e.g. G-AdamW) at each setting (workers, batch, ...): the mean paired
+    difference in the headline metric over the seeds both ran, its 95% t-interval, "not resolved" where it covers 0;
+    and the sentences saying where D-Lion loses, made from those marks. ("", []) when the reference did not run."""
+    metric = report_metrics(runs)[0]
+    keys = varying_keys(runs)
+    setting_keys = [k for k in keys if k in SETTINGS and k not in ("label", "lr")]
+    method_keys = [k for k in keys if k not in setting_keys]
+    settings = group_runs(runs, setting_keys)
+    if not any(r["label"] == reference for r in runs):
+        return "", []
+    better = "higher" if metric.higher_is_better else "lower"
+    lines = [f"{metric.display}: each method minus {reference} at the same seed (same data order and "
+             f"initialisation), mean and 95% t-interval over the seeds both ran; {better} is better; \"not "
+             "resolved\" where the interval covers 0:\n",
+             f"| method | {' | '.join(legend_text(setting_keys, v) or 'all' for v in settings)} |",
+             "|---|" + "---:|" * len(settings)]
+    sentences = []
+    for row, members in group_runs([r for r in runs if r["label"] != reference], method_keys).items():
+        cells = []
+        for values, at in settings.items():
+            ref = [r for r in at if r["label"] == reference]
+            mine = [r for r in at if r in members]
+            diff = paired(mine, ref, metric) if ref and mine else None
+            cells.append(diff.show(metric.decimals) if diff else "—")
+            if diff is None or not row[0].startswith("D-Lion"):
+                continue
+            where = legend_text(setting_keys, values) or "every setting"
+            worse = diff.mean < 0 if metric.higher_is_better else diff.mean > 0
+            if diff.resolved and worse:
+                sentences.append(f"{legend_text(method_keys, row)} loses to {reference} at {where}: "
+                                 f"{diff.show(metric.decimals)} {metric.display}.")
+            elif not diff.resolved:
+                shown = diff.show(metric.decimals).removesuffix(" not resolved")
+                sentences.append(f"{legend_text(method_keys, row)} and {reference} are not told apart at {where}: "
+                                 f"{shown}.")
+        lines.append(f"| {legend_text(method_keys, row)} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n", sentences
 
 
 def _fault_rows(runs: list[Run]) -> tuple[list[str], list[int], dict[tuple[str, str], dict[int, list[Run]]]]:
@@ -911,13 +992,70 @@ def failures_list(failures: list[dict[str, Any]]) -> str:
     return f"**{len(failures)} failed run(s)**, not in the tables below:\n\n" + "\n".join(lines) + "\n"
 
 
+# The code a run's numbers depend on beyond its config: runs of commits that differ here may not compare.
+NUMBERS_CODE = ("distlion/methods", "distlion/comm", "distlion/kernels", "distlion/tasks", "distlion/optim.py",
+                "distlion/flat.py", "distlion/schedule.py", *(f"distlion/cluster/{name}.py" for name in (
+                    "base", "ddp", "grads", "sampler", "simulated", "torchdist")))
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ProvenanceError(ValueError):
+    """A table `--strict` refuses: dirty runs, or runs of commits whose method or task code differs."""
+
+
+def _changed_code(commits: list[str]) -> list[str] | None:
+    """The files of `NUMBERS_CODE` that differ between the first commit and each other one; None when a commit is
+    not in this repository (the check cannot be made here)."""
+    changed: set[str] = set()
+    for commit in commits[1:]:
+        done = subprocess.run(["git", "diff", "--name-only", commits[0], commit, "--", *NUMBERS_CODE], cwd=REPO,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            return None
+        changed.update(done.stdout.split())
+    return sorted(changed)
+
+
+def provenance(runs: list[Run]) -> tuple[str, list[str]]:
+    """The report's provenance paragraph (commits, dirty runs, machines) and what `--strict` refuses in it."""
+    commits = sorted({r.get("git_sha") or "unknown" for r in runs})
+    dirty = [r for r in runs if r.get("git_dirty")]
+    problems = []
+    text = (f"Provenance: {len(runs)} runs of {len(commits)} commit(s) ("
+            + ", ".join(f"`{c[:7]}`: {sum((r.get('git_sha') or 'unknown') == c for r in runs)}" for c in commits) + ")")
+    if dirty:
+        problems.append(f"{len(dirty)} of {len(runs)} runs record git_dirty: true (their code may differ from "
+                        "their commit)")
+    known = [c for c in commits if c != "unknown"]
+    if len(commits) > 1:
+        changed = _changed_code(known) if len(known) == len(commits) else None
+        if changed is None:
+            problems.append("runs of several commits, some not in this repository: whether their method and task "
+                            "code differs cannot be checked here")
+        elif changed:
+            problems.append(f"runs of several commits whose method or task code differs ({', '.join(changed[:6])}"
+                            + (", ..." if len(changed) > 6 else "") + ")")
+        else:
+            text += "; the method and task code is the same in all"
+    machines = sorted({(r.get("machine") or {}).get("cpu") or "not recorded" for r in runs})
+    text += f". CPU: {'; '.join(machines)}."
+    if problems:
+        text += " **Not a clean table: " + "; ".join(problems) + ".**"
+    return text + "\n", problems
+
+
 def write_report(
     root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None,
-    target: Target | Mapping[str, Any] | None = None,
+    target: Target | Mapping[str, Any] | None = None, strict: bool = False, reference: str | None = "G-AdamW",
 ) -> list[Run]:
     """Tables, CSVs, plots and a static HTML page for the runs under `root`, written into `out`. `target`
-    ({metric, value, source}, e.g. a spec's `report.target`) overrides the targets the runs' configs name."""
+    ({metric, value, source}, e.g. a spec's `report.target`) overrides the targets the runs' configs name.
+    `strict`: refuse (ProvenanceError, nothing written) a table of dirty runs or of commits whose code differs.
+    `reference`: the method label every other is compared with, seed by seed (None: no comparison)."""
     runs = load_runs(root)
+    origin, problems = provenance(runs)
+    if strict and problems:
+        raise ProvenanceError(f"--strict: {'; '.join(problems)}; rerun them from one clean commit")
     targets = task_targets(runs, target)
     reach_targets(runs, targets)
     out.mkdir(parents=True, exist_ok=True)
@@ -927,6 +1065,7 @@ def write_report(
     if command:
         parts.append(f"Produced by:\n\n```\n{command}\n```\n")
     parts.append(_intro(runs))
+    parts.append(origin)
     failures = read_failures(root)
     if failures:
         parts.append(failures_list(failures))
@@ -941,6 +1080,12 @@ def write_report(
     if faults:
         parts.append(faults)
     parts.append(markdown_table(runs))
+    comparison, sentences = paired_table(runs, reference) if reference else ("", [])
+    if comparison:
+        parts.append(comparison)
+        if sentences:
+            parts.append("Where D-Lion loses or is not told apart (generated from the intervals above):\n\n"
+                         + "\n".join(f"- {line}" for line in sentences) + "\n")
     if targets:
         parts.append(time_to_target_table(runs, targets))
     diagnostics = diagnostics_table(runs)
@@ -992,6 +1137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="sweep directory holding run directories")
     parser.add_argument("--out", type=Path, required=True, help="where to write results.md, runs.csv and plots")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse a table of dirty runs or of commits whose method or task code differs")
     parser.add_argument("--command", default=None, help="the command that produced the runs, recorded in results.md")
     parser.add_argument("--notes", default=None, help="a description written at the top of results.md")
     parser.add_argument("--columns", default=None,
@@ -1003,7 +1150,11 @@ def main() -> None:
     args = parser.parse_args()
     target = (Target(args.target_metric, args.target, "given on the command line (--target)")
               if args.target is not None else None)
-    runs = write_report(args.root, args.out, args.command, columns=args.columns, notes=args.notes, target=target)
+    try:
+        runs = write_report(args.root, args.out, args.command, columns=args.columns, notes=args.notes,
+                            target=target, strict=args.strict)
+    except ProvenanceError as err:
+        raise SystemExit(f"distlion: error: {err}") from None
     print(markdown_table(runs))
 
 

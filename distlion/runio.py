@@ -37,21 +37,9 @@ _NOT_HASHED = ("logger", "experiment", "task.name", "task.target", "train.progre
                "cluster.dist_backend")  # how ranks talk: every collective moves the same bytes (the device is hashed)
 
 
-#: Longest run directory name kept as Hydra writes it: a file name holds 255 bytes, so every name a run could
-#: have been given stays as it was.
-DIRNAME_LIMIT = 255
-
-
-def run_dirname(name: str) -> str:
-    """A run directory's name: Hydra's override_dirname as it is, or, past `DIRNAME_LIMIT` characters, its start
-    and a hash of the whole (a spec with many settings, e.g. CIFAR-10's tuning trials, outgrows a file name)."""
-    if len(name) <= DIRNAME_LIMIT:
-        return name
-    return f"{name[:DIRNAME_LIMIT - 17]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
-
-
-# conf/config.yaml names run directories `${distlion_dirname:${hydra.job.override_dirname}}`.
-OmegaConf.register_new_resolver("distlion_dirname", run_dirname, replace=True)
+#: The run folder name conf/config.yaml gives Hydra: `distlion.cli.run_point` names the folder by the run's config
+#: hash instead (`runs/<experiment>/<hash>/`), which Hydra cannot know before it composes the config.
+HASH_DIR = "@config_hash"
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -279,33 +267,6 @@ class RunDir:
                 "overwritten"
             )
         return summary
-
-    def reuse_twin(self) -> dict[str, Any] | None:
-        """A finished run of this very config elsewhere under the same `runs/` folder (another spec's run dir),
-        copied here instead of computed again; its summary, or None if there is none. The same config hash
-        means the same numbers: only the run's name and reporting settings may differ (`_NOT_HASHED`)."""
-        root = next((p for p in self.path.resolve().parents if p.name == "runs"), None)
-        if root is None or "RANK" in os.environ or self.checkpoint_path("").exists():
-            return None  # one process per run (torchrun ranks copy nothing), and never over a started run
-        here = self.path.resolve()
-        for path in sorted(root.rglob("summary.json")):
-            if path.parent.resolve() == here:
-                continue
-            try:
-                summary = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            if summary.get("config_hash") != self.config_hash:
-                continue
-            for name in ("config.yaml", "metrics.jsonl", "shards.json"):
-                if (path.parent / name).exists():
-                    atomic_write_text(self.path / name, (path.parent / name).read_text())
-            summary["copied_from"] = os.path.relpath(path.parent, root.parent)  # runs/<spec>/...
-            self.write_summary(summary)  # last: the run counts as finished only once everything is here
-            print(f"distlion: {self.path} copies the finished run {path.parent} (same config hash "
-                  f"{self.config_hash}) instead of training it again", file=sys.stderr)
-            return summary
-        return None
 
     def checkpoint_path(self, suffix: str) -> Path:
         return self.path / f"checkpoint{suffix}.pt"

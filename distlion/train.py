@@ -126,7 +126,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if finished is not None:
             print(f"distlion: {directory.path} already holds this finished run; skipping it", file=sys.stderr)
             return finished
-        return directory.reuse_twin() or train(cfg, method, directory)
+        return train(cfg, method, directory)
 
 
 def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
@@ -238,7 +238,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
                 if preempted:
                     preemption.requeue()
         summary = {
-            "method": method.name,
+            "method": variant,  # the registered (config) name, e.g. dlion_avg; its class is method_class
+            "method_class": method.name,
             "exchange": method.exchange,
             **{f"method.{k}": v for k, v in method.hparams().items() if k != "lr"},
             "lr": method.lr,
@@ -270,6 +271,8 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
             **({"resume_inexact": resume_gap} if resume_gap is not None else {}),
             "params_sha256": params_digest(flat),
             "config_hash": directory.config_hash,
+            # The command-line overrides that made this config (the spec's index maps them to the hash).
+            "overrides": list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None,
             **git_version(),
             "machine": machine(device),
         }
@@ -290,9 +293,9 @@ def train(cfg: DictConfig, method: Method, directory: RunDir) -> dict[str, Any]:
 def sync_summary(method: Method, cum_bits_per_param: float, steps: int, final_sync: bool) -> dict[str, Any]:
     """Methods that sync every H steps: how often they synced and their bits per sync (the per-iteration mean is the
     paper's axis; the per-sync figure prices one exchange on a link). Nothing for methods that exchange every step."""
-    if not hasattr(method, "sync_count"):
-        return {}
     syncs = method.sync_count(steps, final_sync)
+    if syncs is None:
+        return {}
     per_sync = {"bits_per_param_per_sync": cum_bits_per_param / syncs} if syncs else {}
     return {"final_sync": final_sync, "syncs": syncs, **per_sync}
 

@@ -560,7 +560,8 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
              f"Every method: the same budget per trial ({tuning.describe_budget()}), the same grid density "
              f"({tuning.per_decade} points per decade), trial seeds {list(tuning.seeds)}; selected by the "
              f"validation objective at the end of each trial (mean over seeds), never by the test split, which "
-             "the trials do not evaluate (`train.test_eval=false`). Trials: `runs/<spec>/tuning/`.\n",
+             "the trials do not evaluate (`train.test_eval=false`). Trials: `runs/<spec>/tuning/`, every one recorded "
+             "in `records/tuning.jsonl.gz` (earlier grids' too: the counts below).\n",
              f"![validation objective against lr]({plot})\n",
              "| method | task | settings | trials | failed | trial-steps | wall (s) | chosen | "
              "objective | on edge | written |", "|---|---|---|---:|---:|---:|---:|---|---:|---|---|"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -130,24 +129,21 @@ def test_amp_with_low_precision_parameters_and_compile_with_batched_gradients_ar
 # The config hash
 
 
-def _committed_runs() -> list[Path]:
-    files = subprocess.run(["git", "ls-files", "runs", "results"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    return [REPO / f for f in files if f.endswith("summary.json") and (REPO / f).with_name("config.yaml").exists()]
-
-
 def test_new_settings_at_their_defaults_keep_every_committed_runs_hash(monkeypatch):
-    """Every committed run's config, with train.device / amp / compile and cluster.dist_backend at their new defaults
-    (torchdist runs were made with dist_backend=gloo), hashes to the config_hash its summary recorded."""
+    """Every committed run record's config, with train.device / amp / compile and cluster.dist_backend at their new
+    defaults (torchdist runs were made with dist_backend=gloo), hashes to the config_hash its summary recorded."""
+    from distlion.records import read_records
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # auto = the CPU these runs were made on
-    runs = _committed_runs()
-    assert len(runs) >= 400  # the records of results/ (none missing from the check)
-    for summary_path in runs:
-        config = OmegaConf.load(summary_path.with_name("config.yaml"))
+    records = [r for path in sorted(REPO.glob("results/*/records/*.jsonl.gz")) for r in read_records(path)
+               if r["config"] is not None]
+    assert len(records) >= 400  # the records of results/ (none missing from the check)
+    for record in records:
+        config = OmegaConf.create(record["config"])
         config.train.device, config.train.amp, config.train.compile = "auto", "none", False
         if config.cluster.backend == "torchdist":
             config.cluster.dist_backend = "auto"
-        assert config_hash(config) == json.loads(summary_path.read_text())["config_hash"], summary_path.parent.name
+        assert config_hash(config) == record["summary"]["config_hash"], record["run"]
 
 
 def test_a_cuda_run_amp_and_compile_are_other_runs(make_cfg, two_gpus):

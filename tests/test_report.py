@@ -245,3 +245,62 @@ def test_replica_diagnostics_read_only_the_evaluations_between_syncs(run, steps)
     run = {**run, "curve": curve}
     assert [p["step"] for p in report._between_syncs(run)] == steps
     assert report._mean_drift(run) == 1.0
+
+
+def test_paired_differences_with_their_t_interval_and_where_d_lion_loses(tmp_path):
+    """Each method minus G-AdamW at the same seed: mean and 95% t-interval (t(0.975, 2) = 4.3027), by hand."""
+    adamw = [0.80, 0.82, 0.90]
+    dlion = [0.70, 0.74, 0.78]  # differences -10, -8, -12 points: mean -10, sd 2
+    lion = [0.90, 0.70, 0.92]  # differences +10, -12, +2: the interval covers 0
+    for seed in range(3):
+        write_run(tmp_path, "adamw", seed=seed, test_accuracy=adamw[seed])
+        write_run(tmp_path, "dlion", seed=seed, test_accuracy=dlion[seed])
+        write_run(tmp_path, "lion", seed=seed, test_accuracy=lion[seed])
+    write_run(tmp_path, "dlion", seed=7, test_accuracy=0.1)  # no G-AdamW run at seed 7: not paired
+    report.write_report(tmp_path, tmp_path / "out")
+    md = (tmp_path / "out" / "results.md").read_text()
+    md = md[md.index("each method minus G-AdamW at the same seed"):]  # the paired table and its sentences
+    half = 4.302653 * 2 / 3 ** 0.5
+    interval = f"[{-10 - half:+.2f}, {-10 + half:+.2f}]"
+    assert table_row(md, "| D-Lion (Avg) |") == f"| D-Lion (Avg) | -10.00 {interval} (n=3) |"
+    lion_row = table_row(md, "| G-Lion |")
+    assert lion_row.startswith("| G-Lion | +0.00 [") and lion_row.endswith("(n=3) not resolved |")
+    assert f"- D-Lion (Avg) loses to G-AdamW at every setting: -10.00 {interval}" in md
+    assert report.paired_table(report.load_runs(tmp_path), "TernGrad") == ("", [])  # the reference did not run
+
+
+def test_provenance_flags_dirty_runs_and_commits_whose_method_code_differs(tmp_path, monkeypatch):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "distlion" / "methods").mkdir(parents=True)
+
+    def commit(path: str, text: str) -> str:
+        (repo / path).write_text(text)
+        for args in (["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", path]):
+            subprocess.run(["git", *args], cwd=repo, check=True)
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    first = commit("distlion/methods/rule.py", "x = 1\n")
+    docs = commit("README.md", "words\n")
+    code = commit("distlion/methods/rule.py", "x = 2\n")
+    monkeypatch.setattr(report, "REPO", repo)
+    runs = [{"git_sha": first, "git_dirty": False}, {"git_sha": docs, "git_dirty": False}]
+    text, problems = report.provenance(runs)
+    assert problems == [] and "the method and task code is the same in all" in text
+    text, problems = report.provenance([*runs, {"git_sha": code, "git_dirty": True}])
+    assert problems[0] == "1 of 3 runs record git_dirty: true (their code may differ from their commit)"
+    assert "method or task code differs (distlion/methods/rule.py)" in problems[1]
+    assert "**Not a clean table:" in text
+    _, problems = report.provenance([*runs, {"git_sha": "f" * 40, "git_dirty": False}])
+    assert "cannot be checked here" in problems[0]
+
+    root = tmp_path / "runs"
+    write_run(root, "adamw", git_dirty=True)
+    with pytest.raises(report.ProvenanceError, match="--strict: 1 of 1 runs record git_dirty"):
+        report.write_report(root, tmp_path / "out", strict=True)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    report.write_report(root, tmp_path / "out")
+    assert "**Not a clean table: 1 of 1 runs record git_dirty: true" in (tmp_path / "out" / "results.md").read_text()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import signal
@@ -139,35 +138,6 @@ def test_every_methods_checkpoint_loads_with_weights_only(make_cfg, tmp_path, me
     assert checkpoint["step"] == 2
     assert torch.equal(checkpoint["torch_rng"], torch.get_rng_state())
     r.cluster.load_state_dict(checkpoint["cluster"])
-
-
-def test_a_finished_twin_under_the_same_runs_folder_is_copied_not_trained_again(make_cfg, tmp_path, monkeypatch):
-    from distlion.train import run
-
-    monkeypatch.delenv("RANK", raising=False)
-    cfg = make_cfg("train.steps=3", "cluster.workers=2", "cluster.per_worker_batch=8")
-    first = run(cfg, tmp_path / "runs" / "spec_a" / "point")
-    trained = []
-    monkeypatch.setattr("distlion.train.train", lambda *args: trained.append(args))
-    twin = run(cfg, tmp_path / "runs" / "spec_b" / "final" / "other_name")
-    assert not trained and twin["copied_from"] == "runs/spec_a/point"
-    copy, original = tmp_path / "runs" / "spec_b" / "final" / "other_name", tmp_path / "runs" / "spec_a" / "point"
-    assert (copy / "metrics.jsonl").read_text() == (original / "metrics.jsonl").read_text()
-    assert {k: v for k, v in twin.items() if k != "copied_from"} == json.loads(json.dumps(first))
-    # Another config (here another seed) is trained; outside a runs/ folder nothing is looked up.
-    run(make_cfg("train.steps=3", "cluster.workers=2", "cluster.per_worker_batch=8", "seed=1"),
-        tmp_path / "runs" / "spec_b" / "seed1")
-    run(cfg, tmp_path / "elsewhere")
-    assert len(trained) == 2
-
-
-def test_a_run_directory_name_longer_than_a_file_name_allows_is_shortened_with_a_hash():
-    short = "method=dlion,seed=0"
-    assert runio.run_dirname(short) == short  # every name Hydra wrote so far stays as it is
-    long = ",".join(f"setting{i}=value{i}" for i in range(20))  # 339 characters
-    name = runio.run_dirname(long)
-    assert len(name) == runio.DIRNAME_LIMIT and name.startswith(long[:100]) and name == runio.run_dirname(long)
-    assert runio.run_dirname(long + ",seed=1") != name
 
 
 def test_outputs_added_later_keep_the_hash_of_runs_made_without_them(make_cfg):

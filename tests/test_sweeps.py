@@ -30,7 +30,15 @@ sweeps:
 
 
 def point(out: Path, lr: str) -> Path:
-    return out / "runs" / "lr" / f"cluster.per_worker_batch=8,method.lr={lr},seed=0,task=digits,train.steps=3"
+    """The folder of the spec's point at `lr`: named by its config hash."""
+    from hydra import compose, initialize_config_dir
+
+    from distlion.runio import config_hash
+
+    overrides = ["experiment=lr", "task=digits", "train.steps=3", "cluster.per_worker_batch=8", "logger=none",
+                 "train.progress=false", f"method.lr={lr}", "seed=0"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return out / "runs" / "lr" / config_hash(compose("config", overrides=overrides))
 
 
 def experiment(spec: Path, out: Path, *args: str) -> list[str]:
@@ -184,7 +192,7 @@ def test_two_copies_of_a_sweep_train_every_point_exactly_once(tmp_path, make_cfg
         steps = [json.loads(line)["step"] for line in (directory / "metrics.jsonl").read_text().splitlines()]
         assert steps == [1, 2]
         # The same numbers as the point run on its own.
-        alone = run(make_cfg(*directory.name.split(",")), tmp_path / "alone" / directory.name)
+        alone = run(make_cfg(*summary["overrides"]), tmp_path / "alone" / directory.name)
         assert summary["params_sha256"] == alone["params_sha256"] and summary["config_hash"] == alone["config_hash"]
     assert "16 runs of task" in (tmp_path / "results" / "load" / "results.md").read_text()
 

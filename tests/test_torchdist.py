@@ -568,6 +568,8 @@ def test_a_hung_rank_makes_the_others_fail_after_the_timeout(jobs):
     code, output = jobs["hang"].wait()
     assert code != 0
     assert "did not reach it within 10 s (cluster.timeout_s)" in output, output[-3000:]
+    # The rank that stopped is named, by the rank left waiting for it (torchrun names the waiting rank it saw exit).
+    assert "rank 0 of 2: " in output and "rank 1 stopped answering (no heartbeat for 3 s" in output, output[-3000:]
 
 
 def test_a_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_parameters(jobs, tmp_path):
@@ -735,8 +737,9 @@ def worker(spec_path: str) -> None:
             return
         if fault["kind"] == "raise":
             raise RuntimeError(f"injected fault at step {step}")
-        if fault["kind"] == "hang":
-            time.sleep(3600)
+        if fault["kind"] == "hang":  # stopped, as by a frozen node: its threads too (the heartbeat)
+            print(f"stopping rank {rank} at step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         print(f"killing rank {rank} at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -243,9 +243,8 @@ class Cluster:
         counts: dict[str, torch.Tensor] = {}
         for dtype, (sent, reply) in bits.exchanged.items():
             method = self.methods[dtype]
-            if hasattr(method, "vote_diagnostics"):
-                for key, value in method.vote_diagnostics(sent, reply, self.num_workers).items():
-                    counts[key] = counts[key] + value if key in counts else value
+            for key, value in method.vote_diagnostics(sent, reply, self.num_workers).items():
+                counts[key] = counts[key] + value if key in counts else value
         if not counts:
             return {}
         agree2, signs = (sum(self.backend.gather_uncounted(counts[k].reshape(1).to(torch.int64))).item()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -74,6 +76,59 @@ def init_process_group(dist_backend: str, timeout_s: float, workers: int,
     return created
 
 
+class Heartbeat:
+    """A counter each rank's daemon thread advances in the group's store every `interval_s` seconds. A rank that
+    stops (SIGSTOP, a frozen node) stops advancing it while a rank merely slow keeps it going, so when a collective
+    times out the ranks still waiting can name the one that stopped answering (torchrun itself names the rank that
+    exits, which is one of the waiting ones). The store is torchrun's agent's, alive whichever rank stops."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, interval_s: float = 0.5):
+        self.store, self.rank, self.world_size, self.interval_s = store, rank, world_size, interval_s
+        self.store.add(self._key(rank), 1)
+        threading.Thread(target=self._beat, name="distlion-heartbeat", daemon=True).start()
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"distlion/heartbeat/{rank}"
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            try:
+                self.store.add(self._key(self.rank), 1)
+            except Exception:  # noqa: BLE001 - the store is gone (the job is ending): nothing left to tell
+                return
+
+    def stopped(self) -> list[int]:
+        """The other ranks whose counter did not advance over 6 beats."""
+        try:
+            before = [self.store.add(self._key(r), 0) for r in range(self.world_size)]
+            time.sleep(6 * self.interval_s)
+            after = [self.store.add(self._key(r), 0) for r in range(self.world_size)]
+        except Exception:  # noqa: BLE001 - no store to ask: the caller says what it knows without it
+            return []
+        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+
+    def describe(self) -> str:
+        stopped = self.stopped()
+        if not stopped:
+            return ""
+        ranks = ", ".join(map(str, stopped))
+        return (f"rank{'s' if len(stopped) > 1 else ''} {ranks} stopped answering (no heartbeat for "
+                f"{6 * self.interval_s:g} s: stopped, e.g. by SIGSTOP, or frozen)")
+
+
+_HEARTBEATS: dict[int, Heartbeat] = {}
+
+
+def heartbeat(rank: int, world_size: int) -> Heartbeat:
+    """This process's heartbeat in the default group's store: one per group, however many runs use the group."""
+    store = dist.distributed_c10d._get_default_store()
+    if id(store) not in _HEARTBEATS:
+        _HEARTBEATS[id(store)] = Heartbeat(store, rank, world_size)
+    return _HEARTBEATS[id(store)]
+
+
 class TorchDistBackend(CollectiveExchange, Backend):
     """This rank's worker; the server rule distributed over the ranks."""
 
@@ -87,6 +142,8 @@ class TorchDistBackend(CollectiveExchange, Backend):
             # Destroyed at exit rather than per run: a Hydra multirun reuses the group run after run.
             atexit.register(_destroy_process_group)
         super().__init__(Collectives(timeout=datetime.timedelta(seconds=timeout_s), device=device))
+        if self.comm.world_size > 1:
+            self.comm.diagnose = heartbeat(self.comm.rank, self.comm.world_size).describe
         self.rank = self.comm.rank
         self.is_main = self.rank == 0
         self.shard_suffix = f".rank{self.rank}"

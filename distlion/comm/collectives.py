@@ -26,7 +26,7 @@ call is the identity and counts 0 bytes, so single-process code takes the same p
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -78,6 +78,8 @@ class Collectives:
         self.timeout = timeout
         self.distributed = True
         self.wire = WireBytes()
+        # Called when a collective fails: which peer stopped answering, in words ("" when it cannot tell).
+        self.diagnose: Callable[[], str] = lambda: ""
 
     @classmethod
     def local(cls, device: torch.device | str = "cpu") -> Collectives:
@@ -87,6 +89,7 @@ class Collectives:
         comm.device = torch.device(device)
         comm.distributed = False
         comm.wire = WireBytes()
+        comm.diagnose = lambda: ""
         return comm
 
     def _call(self, name: str, sent: int, received: int, fn, *args, **kwargs) -> None:
@@ -97,9 +100,11 @@ class Collectives:
             except RuntimeError as err:
                 limit = f"{self.timeout.total_seconds():g} s" if self.timeout else "the group's timeout"
                 first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                culprit = self.diagnose()  # e.g. "rank 1 stopped answering (...)"
+                who = f"{culprit}, so it did not" if culprit else "a peer rank raised, died, or did not"
                 raise CollectiveError(
-                    f"rank {self.rank} of {self.world_size}: {name} failed: a peer rank raised, died, or did "
-                    f"not reach it within {limit} (cluster.timeout_s): {first_line}"
+                    f"rank {self.rank} of {self.world_size}: {name} failed: {who} reach it within {limit} "
+                    f"(cluster.timeout_s): {first_line}"
                 ) from err
         self.wire += WireBytes(sent, received, 1)
 

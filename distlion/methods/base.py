@@ -119,6 +119,17 @@ class Method(ABC):
     def check_run(self, total_epochs: float) -> None:
         """Reject settings that cannot fit the run (e.g. a warm-up longer than the run)."""
 
+    # Optional abilities: a method that has one overrides it; the runner asks these, never `hasattr`.
+    def sync_count(self, steps: int, final_sync: bool) -> int | None:
+        """Methods that exchange every H steps (LocalSGD, DiLoCo): how many syncs a run of `steps` steps makes.
+        None: the method exchanges at every step."""
+        return None
+
+    def vote_diagnostics(self, sent: list[Message], down: Message, num_workers: int) -> dict[str, torch.Tensor]:
+        """Sign-voting methods: counts of vote agreement and margins over the exchanged messages (see
+        `distlion.cluster.base.Cluster.vote_diagnostics`); empty for a method that does not vote."""
+        return {}
+
     def init_worker_state(self) -> dict[str, torch.Tensor]:
         """Fresh per-worker state (never synchronized across workers)."""
         return {}
