@@ -18,6 +18,7 @@ setup: $(STAMP)  ## create .venv and install distlion with its dev tools
 
 demo: setup  ## the main job on the embedded digits data: a method x workers x 3 seeds sweep, then results/demo/
 	$(VENV)/bin/distlion-experiment experiments/demo.yaml --jobs 2 --no-records
+	@echo "open results/demo/index.html in a browser (every experiment: results/index.html)"
 
 test: setup  ## the test suite (about 12-15 minutes on 2 cores once installed)
 	$(VENV)/bin/pytest -q

@@ -46,6 +46,7 @@ from omegaconf import OmegaConf
 
 from distlion.cli import read_failures
 from distlion.methods import method_info
+from distlion.pages import render_index
 from distlion.records import INDEX, pack, pack_spec, unpack
 from distlion.report import Target, derive_target, load_runs, write_report, write_task_target
 from distlion.runio import HASH_DIR
@@ -441,6 +442,8 @@ def main() -> None:
                 write_wallclock(runs_dir, results_dir, value)
                 print(f"wall-clock tables in {results_dir / 'wallclock.md'}")
             print(f"{len(runs)} runs reported in {results_dir / 'results.md'}")
+            render_index(results_dir.parent)  # results/index.html links every experiment's page
+            print(f"page: {results_dir / 'index.html'} (all experiments: {results_dir.parent / 'index.html'})")
         except (FileNotFoundError, ValueError) as err:  # no finished run, a bad target, --strict
             print(f"distlion: error: {err}", file=sys.stderr)
             failed_sweeps += 1

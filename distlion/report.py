@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import html
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from distlion.cli import read_failures
 from distlion.comm.voting import chance_agreement
 from distlion.costmodel import steady_lines
 from distlion.methods import label_order, method_label
+from distlion.pages import Figure, Table, interactive_chart, render_index, render_page
 from distlion.tasks import TASK_CONFIGS, Metric, task_metrics, task_name
 from distlion.tasks.base import quantity
 
@@ -61,6 +61,52 @@ LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = "osD^v<>pPX*h"
 
 Run = dict[str, Any]
+
+
+def _seeds(groups: dict[tuple, list[Run]]) -> str:
+    ns = sorted({len(members) for members in groups.values()})
+    return f"n = {ns[0]} seed{'s' if ns[0] > 1 else ''} per group" if len(ns) == 1 else \
+        f"n = {ns[0]} to {ns[-1]} seeds per group"
+
+
+def chart_points(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per group: the final headline metric (mean, std, n) against its bits per parameter per iteration, for the
+    interactive accuracy-against-bits chart (`distlion.pages.interactive_chart`)."""
+    metric, keys = report_metrics(runs)[0], varying_keys(runs)
+    points = []
+    for values, members in group_runs(runs, keys).items():
+        scores = [metric.scale * v for v in _values(members, metric.key)]
+        if scores and _mean(members, "bits_per_param_per_iter") > 0:
+            points.append({"method": members[0]["label"], "settings": legend_text(keys, values),
+                           "x": _mean(members, "bits_per_param_per_iter"), "y": statistics.mean(scores),
+                           "std": statistics.stdev(scores) if len(scores) > 1 else 0.0, "n": len(scores),
+                           "shown": _fmt(metric, _values(members, metric.key))})
+    return points
+
+
+def captions(runs: list[Run]) -> dict[str, str]:
+    """What each plot shows and over how many seeds, for its caption."""
+    curve, headline = curve_metric(runs), report_metrics(runs)[0]
+    seeds = _seeds(group_runs(runs))
+    band = f"one line per group, the mean over its seeds with a ±1 std band ({seeds})"
+    bars = f"mean ± std over seeds ({seeds})"
+    return {
+        "metric_vs_faults.png": f"Final {headline.display} against the number k of faulty workers, one panel per "
+                                f"fault kind, one line per method; {bars}.",
+        "metric_vs_bits.png": f"{curve.display} logged during training against the cumulative bits per parameter "
+                              f"each worker communicated (up + down, log scale); {band}.",
+        "metric_vs_workers.png": f"Final {headline.display} against the number of workers, one line per group of "
+                                 f"the other settings; {bars}.",
+        "metric_vs_time.png": f"{curve.display} against wall-clock seconds (evaluations included); {band}.",
+        "metric_vs_bits_per_iter.png": f"The paper's figure: final {headline.display} against bits per parameter "
+                                       f"per iteration (up + down, log scale); {bars}.",
+        "metric_curves.png": f"{curve.display} against training steps; {band}.",
+        "loss_curves.png": f"Train loss against epochs; {band}.",
+        "vote_agreement.png": "The sign methods' vote agreement (the share of workers' signs equal to the voted "
+                              f"sign) against steps, beside what N fair coins would give (gray); {band}.",
+        "worker_drift.png": f"The local-update methods' worker drift (mean L2 distance of the workers' parameters "
+                            f"from their average) against steps; {band}.",
+    }
 
 
 def load_runs(root: Path) -> list[Run]:
@@ -203,7 +249,7 @@ def references(runs: list[Run], drawn_on: str | None = None) -> list[tuple[Metri
             for v in sorted(set(_values(runs, m.key)))]
 
 
-def markdown_table(runs: list[Run]) -> str:
+def markdown_table(runs: list[Run]) -> Table:
     """One row per group: the settings, every declared score (mean ± std over seeds), n, and the mean bits
     (the sparse methods' differ across seeds), steps and wall time."""
     scores = [m for m in report_metrics(runs) if not m.reference]
@@ -213,7 +259,7 @@ def markdown_table(runs: list[Run]) -> str:
     header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
               *(m.display for m in scores), "n", "bits/param/iter up", "down", "total",
               *(["bits/param/sync"] if per_sync else []), "total bits communicated", "steps", "wall time (min)"]
-    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    rows = []
     for members in group_runs(runs, keys).values():
         r = members[0]
         cells = [r["label"], r["workers"], r["per_worker_batch"], *(_column(k, _value(r, k)) for k in extra),
@@ -223,11 +269,10 @@ def markdown_table(runs: list[Run]) -> str:
                  *([f"{_mean(members, 'bits_per_param_per_sync'):.3f}" if "bits_per_param_per_sync" in r else "—"]
                    if per_sync else []),
                  f"{_mean(members, 'total_bits'):.3e}", r["steps"], f"{_mean(members, 'wall_time') / 60:.1f}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    for m, value in references(runs):
-        note = f" {m.note}" if m.note else ""
-        lines.append(f"\nReference: the {m.display}, {value:.{m.decimals}f}{note}.")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    notes = [f"Reference: the {m.display}, {value:.{m.decimals}f}{f' {m.note}' if m.note else ''}."
+             for m, value in references(runs)]
+    return Table(header, rows, notes=notes)
 
 
 #: Seconds per step of each phase, as `distlion.train.StepClock` logs them.
@@ -241,7 +286,7 @@ def steady_phase_times(run: Run, skip: int = 2) -> dict[str, float]:
     return {k: statistics.fmean(p.get(k, 0.0) for p in lines) for k in PHASE_COLUMNS} if lines else {}
 
 
-def step_time_table(runs: list[Run]) -> str:
+def step_time_table(runs: list[Run]) -> Table | str:
     """Per group, the mean over seeds of each phase's seconds per step (empty for runs without step times)."""
     keys = varying_keys(runs)
     rows = []
@@ -249,13 +294,12 @@ def step_time_table(runs: list[Run]) -> str:
         times = [t for t in (steady_phase_times(r) for r in members) if t]
         if times:
             cells = [f"{1e3 * statistics.fmean(t[k] for t in times):.1f}" for k in PHASE_COLUMNS]
-            rows.append(f"| {legend_text(keys, values)} | " + " | ".join(cells) + f" | {len(times)} |")
+            rows.append([legend_text(keys, values), *cells, len(times)])
     if not rows:
         return ""
-    header = "| run | " + " | ".join(PHASE_COLUMNS.values()) + " | n |"
-    return ("Milliseconds per step, by phase (mean over the logged steps after start-up, then over seeds; "
-            "communication hidden behind backward is part of `communicate` and not of `step`):\n\n"
-            + header + "\n|---|" + "---:|" * (len(PHASE_COLUMNS) + 1) + "\n" + "\n".join(rows) + "\n")
+    return Table(["run", *PHASE_COLUMNS.values(), "n"], rows,
+                 "Milliseconds per step, by phase (mean over the logged steps after start-up, then over seeds; "
+                 "communication hidden behind backward is part of `communicate` and not of `step`):")
 
 
 def _between_syncs(run: Run) -> list[dict]:
@@ -290,7 +334,7 @@ def _late_agreement(run: Run) -> float | None:
     return statistics.fmean(late) if late else None
 
 
-def diagnostics_table(runs: list[Run]) -> str:
+def diagnostics_table(runs: list[Run]) -> Table | str:
     """What explains a local-update or voting method's score, per group (mean ± std over seeds; "" when no run
     logged either): what averaging the workers' models gains (`_averaging_gain`), their drift (`_mean_drift`) and
     the vote agreement late in the run (`_late_agreement`)."""
@@ -308,10 +352,11 @@ def diagnostics_table(runs: list[Run]) -> str:
         cells = [legend_text(keys, values), _fmt(metric, gains), _mean_std(drifts, ".3g") if drifts else "—",
                  _mean_std(agreement, ".1f") if agreement else "—", ", ".join(chance) if agreement else "—",
                  len(members)]
-        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+        rows.append(cells)
     if not rows:
         return ""
-    return ("Diagnostics, mean ± std over seeds. Local updates: the model that counts minus the mean of the "
+    return Table(["run", "model that counts - workers' own", "worker drift", "vote agreement (%)", "chance (%)", "n"],
+                 rows, "Diagnostics, mean ± std over seeds. Local updates: the model that counts minus the mean of the "
             f"workers' own models, in {metric.display} on the same validation examples, averaged over the "
             "evaluations before the end that scored both (`train.local_eval_every`); the worker drift (mean L2 "
             "distance of their parameters from their average) averaged over the evaluations. Both leave out the "
@@ -319,24 +364,22 @@ def diagnostics_table(runs: list[Run]) -> str:
             "fell there). Sign methods: the "
             "vote agreement, the % of the workers' signs equal to the voted sign, averaged over the logged steps of "
             "the run's second half, beside what N independent fair signs would give (a coin-flip vote; above 50%, "
-            "as the majority is made of the signs it is compared with):\n\n"
-            f"| run | model that counts - workers' own | worker drift | vote agreement (%) | chance (%) | n |\n"
-            "|---|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+            "as the majority is made of the signs it is compared with):")
 
 
-def pivot_table(runs: list[Run], columns: str = "workers") -> str:
+def pivot_table(runs: list[Run], columns: str = "workers") -> Table:
     """The paper's layout: one row per group of the other settings, one column per value of `columns`
     (the headline metric, mean ± std over seeds, n)."""
     metric = report_metrics(runs)[0]
     keys = [k for k in varying_keys(runs) if k != columns]
     values = sorted({_value(r, columns) for r in runs}, key=_sortable)
-    lines = [f"{metric.display}, mean ± std over seeds (n):\n",
-             f"| method | {' | '.join(f'{columns}={v}' for v in values)} |", "|---|" + "---:|" * len(values)]
+    rows = []
     for row, members in group_runs(runs, keys).items():
         cells = [[m for m in members if _value(m, columns) == v] for v in values]
-        shown = [f"{_fmt(metric, _values(c, metric.key))} (n={len(c)})" if c else "—" for c in cells]
-        lines.append(f"| {legend_text(keys, row)} | {' | '.join(shown)} |")
-    return "\n".join(lines) + "\n"
+        rows.append([legend_text(keys, row),
+                     *(f"{_fmt(metric, _values(c, metric.key))} (n={len(c)})" if c else "—" for c in cells)])
+    return Table(["method", *(f"{columns}={v}" for v in values)], rows,
+                 f"{metric.display}, mean ± std over seeds (n):")
 
 
 @dataclass(frozen=True)
@@ -375,7 +418,7 @@ def paired(members: list[Run], reference: list[Run], metric: Metric) -> Paired |
     return Paired(mean, mean - half, mean + half, len(diffs))
 
 
-def paired_table(runs: list[Run], reference: str) -> tuple[str, list[str]]:
+def paired_table(runs: list[Run], reference: str) -> tuple[Table | str, list[str]]:
     """Each method against `reference` (a label, e.g. G-AdamW) at each setting (workers, batch, ...): the mean paired
     difference in the headline metric over the seeds both ran, its 95% t-interval, "not resolved" where it covers 0;
     and the sentences saying where D-Lion loses, made from those marks. ("", []) when the reference did not run."""
@@ -387,12 +430,10 @@ def paired_table(runs: list[Run], reference: str) -> tuple[str, list[str]]:
     if not any(r["label"] == reference for r in runs):
         return "", []
     better = "higher" if metric.higher_is_better else "lower"
-    lines = [f"{metric.display}: each method minus {reference} at the same seed (same data order and "
+    intro = (f"{metric.display}: each method minus {reference} at the same seed (same data order and "
              f"initialisation), mean and 95% t-interval over the seeds both ran; {better} is better; \"not "
-             "resolved\" where the interval covers 0:\n",
-             f"| method | {' | '.join(legend_text(setting_keys, v) or 'all' for v in settings)} |",
-             "|---|" + "---:|" * len(settings)]
-    sentences = []
+             "resolved\" where the interval covers 0:")
+    rows, sentences = [], []
     for row, members in group_runs([r for r in runs if r["label"] != reference], method_keys).items():
         cells = []
         for values, at in settings.items():
@@ -411,8 +452,9 @@ def paired_table(runs: list[Run], reference: str) -> tuple[str, list[str]]:
                 shown = diff.show(metric.decimals).removesuffix(" not resolved")
                 sentences.append(f"{legend_text(method_keys, row)} and {reference} are not told apart at {where}: "
                                  f"{shown}.")
-        lines.append(f"| {legend_text(method_keys, row)} | {' | '.join(cells)} |")
-    return "\n".join(lines) + "\n", sentences
+        rows.append([legend_text(method_keys, row), *cells])
+    header = ["method", *(legend_text(setting_keys, v) or "all" for v in settings)]
+    return Table(header, rows, intro), sentences
 
 
 def _fault_rows(runs: list[Run]) -> tuple[list[str], list[int], dict[tuple[str, str], dict[int, list[Run]]]]:
@@ -428,7 +470,7 @@ def _fault_rows(runs: list[Run]) -> tuple[list[str], list[int], dict[tuple[str, 
     return kinds, ks, {row: rows[row] for row in order}
 
 
-def fault_table(runs: list[Run]) -> str:
+def fault_table(runs: list[Run]) -> Table | str:
     """The headline metric against the number k of faulty workers: one row per method and fault kind (mean ± std
     over seeds, n); empty without faulty workers."""
     if not any(r.get("faults_k") for r in runs):
@@ -436,14 +478,12 @@ def fault_table(runs: list[Run]) -> str:
     metric = report_metrics(runs)[0]
     kinds, ks, rows = _fault_rows(runs)
     workers = sorted({r["workers"] for r in runs})
-    lines = [f"{metric.display} with k of the N={'/'.join(map(str, workers))} workers faulty (the last k; "
-             "`distlion.comm.faults` says what each kind sends), mean ± std over seeds (n); k=0: honest workers:\n",
-             "| method | faults | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|---|" + "---:|" * len(ks)]
-    for (label, kind), by_k in rows.items():
-        cells = [f"{_fmt(metric, _values(by_k[k], metric.key))} (n={len(by_k[k])})" if by_k.get(k) else "—"
-                 for k in ks]
-        lines.append(f"| {label} | {kind} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    cells = [[label, kind, *(f"{_fmt(metric, _values(by_k[k], metric.key))} (n={len(by_k[k])})" if by_k.get(k)
+                             else "—" for k in ks)] for (label, kind), by_k in rows.items()]
+    return Table(["method", "faults", *(f"k={k}" for k in ks)], cells,
+                 f"{metric.display} with k of the N={'/'.join(map(str, workers))} workers faulty (the last k; "
+                 "`distlion.comm.faults` says what each kind sends), mean ± std over seeds (n); k=0: honest workers:",
+                 align="ll" + "r" * len(ks))
 
 
 def plot_metric_vs_faults(runs: list[Run], path: Path) -> None:
@@ -657,7 +697,7 @@ def _evaluations_text(runs: list[Run], targets: dict[str, Target]) -> str:
     return text
 
 
-def time_to_target_table(runs: list[Run], targets: dict[str, Target]) -> str:
+def time_to_target_table(runs: list[Run], targets: dict[str, Target]) -> Table | str:
     """Per group: n, how many seeds reached the target, and the step, wall time and cumulative bits per
     parameter at their first evaluation reaching it (mean ± std over those seeds). Call `reach_targets` first."""
     if not targets:
@@ -676,7 +716,7 @@ def time_to_target_table(runs: list[Run], targets: dict[str, Target]) -> str:
     extra = [k for k in keys if k not in ALWAYS_NAMED]
     header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
               "n", "reached", "step", "wall time (s)", "bits/param (cumulative)"]
-    lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    rows = []
     for members in group_runs(reached_runs, keys).values():
         r, n = members[0], len(members)
         hits = [m["to_target"] for m in members if m["to_target"] is not None]
@@ -685,11 +725,11 @@ def time_to_target_table(runs: list[Run], targets: dict[str, Target]) -> str:
                  reached, _mean_std([h["step"] for h in hits], ".0f"),
                  _mean_std([h["wall_time"] for h in hits], ".1f"),
                  _mean_std([h["cum_bits_per_param"] for h in hits], ",.1f")]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return Table(header, rows, lines[0])
 
 
-def fewshot_table(runs: list[Run]) -> str:
+def fewshot_table(runs: list[Run]) -> Table | str:
     """Per group and few-shot task (`eval.tasks`, see `distlion.tasks.fewshot`): accuracy in % as mean ± std over
     seeds, lm-eval's stderr of one run's accuracy (mean over seeds), and chance; "" without few-shot scores."""
     tasks = sorted({k.removeprefix("fewshot_acc_") for r in runs for k in r if k.startswith("fewshot_acc_")
@@ -700,10 +740,10 @@ def fewshot_table(runs: list[Run]) -> str:
     extra = [k for k in keys if k not in ALWAYS_NAMED]
     header = ["method", "workers", "per-worker batch", *(k.removeprefix("method.").replace("_", " ") for k in extra),
               "n", *(f"{t} acc (%)" for t in tasks)]
-    lines = ["Few-shot accuracy (%) on the test text through lm-eval (`eval.tasks`): mean ± std over seeds, then "
+    intro = ("Few-shot accuracy (%) on the test text through lm-eval (`eval.tasks`): mean ± std over seeds, then "
              "in brackets lm-eval's stderr of one run's accuracy (mean over seeds); chance: "
-             + ", ".join(f"{t} {100 * runs[0].get(f'fewshot_chance_{t}', float('nan')):.0f}%" for t in tasks)
-             + ".\n", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+             + ", ".join(f"{t} {100 * runs[0].get(f'fewshot_chance_{t}', float('nan')):.0f}%" for t in tasks) + ".")
+    rows = []
     for members in group_runs(runs, keys).values():
         r = members[0]
         cells = [r["label"], r["workers"], r["per_worker_batch"], *(_column(k, _value(r, k)) for k in extra),
@@ -712,23 +752,21 @@ def fewshot_table(runs: list[Run]) -> str:
             accs = [100 * m[f"fewshot_acc_{t}"] for m in members if f"fewshot_acc_{t}" in m]
             errs = [100 * m[f"fewshot_acc_stderr_{t}"] for m in members if f"fewshot_acc_stderr_{t}" in m]
             cells.append(f"{_mean_std(accs, '.1f')} [{statistics.fmean(errs):.1f}]" if accs else "")
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return Table(header, rows, intro)
 
 
-def hparams_table(runs: list[Run]) -> str:
+def hparams_table(runs: list[Run]) -> Table:
     """The hyperparameters each method actually ran with, read from the runs' summaries."""
-    lines = ["| method | lr | settings |", "|---|---:|---|"]
-    seen = set()
+    rows: list[list[Any]] = []
     for r in sorted(runs, key=lambda r: (label_order(r["label"]), r["label"])):
         settings = ", ".join(
             f"{k.removeprefix('method.')}={v}" for k, v in sorted(r.items()) if k.startswith("method.")
         )
-        row = f"| {r['label']} | {r['lr']:g} | {settings} |"
-        if row not in seen:
-            seen.add(row)
-            lines.append(row)
-    return "\n".join(lines) + "\n"
+        row = [r["label"], f"{r['lr']:g}", settings]
+        if row not in rows:
+            rows.append(row)
+    return Table(["method", "lr", "settings"], rows, "Hyperparameters, as run:", align="lrl")
 
 
 def _csv_settings(runs: list[Run]) -> list[str]:
@@ -1097,7 +1135,7 @@ def write_report(
     fewshot = fewshot_table(runs)
     if fewshot:
         parts.append(fewshot)
-    parts.append("Hyperparameters, as run:\n\n" + hparams_table(runs))
+    parts.append(hparams_table(runs))
     plot_metric_vs_bits(runs, out / "metric_vs_bits.png")
     plot_metric_vs_time(runs, out / "metric_vs_time.png")
     plot_metric_vs_bits_per_iter(runs, out / "metric_vs_bits_per_iter.png")
@@ -1114,29 +1152,29 @@ def write_report(
     for name, plot in (("vote_agreement.png", plot_vote_agreement), ("worker_drift.png", plot_worker_drift)):
         if plot(runs, out / name) is not None:
             plots.append(name)
-    parts += [f"![{p[:-4]}]({p})\n" for p in plots]
+    shown = captions(runs)
+    parts += [Figure(p, shown[p]) for p in plots]
     parts.append("Every run: `runs.csv`; every evaluation of every run: `evals.csv`.\n")
-    markdown = "\n".join(parts)
+    markdown = "\n".join(str(part) for part in parts)
     (out / "results.md").write_text(markdown)
     write_csv(runs, out / "runs.csv")
     write_evals_csv(runs, out / "evals.csv")
-    write_html(markdown, plots, out / "index.html")
+    metric = report_metrics(runs)[0]
+    chart = interactive_chart(chart_points(runs), "bits per parameter per iteration (up + down)", metric.display,
+                              "accuracy-vs-bits")
+    caption = (f"Interactive: final {metric.display} against bits per parameter per iteration, one point per group "
+               f"(mean, bars ±1 std, {_seeds(group_runs(runs))}); hover a point for its settings, mean ± std and n.")
+    render_page(f"Results: {out.name}", parts[1:], out / "index.html", out / "README.md",  # [0]: the heading
+                charts=[(caption, chart)])
     return runs
-
-
-def write_html(markdown: str, plots: list[str], path: Path) -> None:
-    """A static page with the tables (as preformatted Markdown) and the plots side by side."""
-    body = "".join(f'<img src="{p}" style="max-width:48%">' for p in plots)
-    path.write_text(
-        f"<!doctype html><meta charset=utf-8><title>{path.parent.name}</title>"
-        f"<body style='font-family:sans-serif'><pre>{html.escape(markdown)}</pre>{body}</body>"
-    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="sweep directory holding run directories")
-    parser.add_argument("--out", type=Path, required=True, help="where to write results.md, runs.csv and plots")
+    parser.add_argument("root", type=Path, nargs="?", help="sweep directory holding run directories")
+    parser.add_argument("--out", type=Path, help="where to write results.md, runs.csv and plots")
+    parser.add_argument("--index", type=Path, metavar="RESULTS",
+                        help="only write RESULTS/index.html: every experiment's headline and figure, linked")
     parser.add_argument("--strict", action="store_true",
                         help="refuse a table of dirty runs or of commits whose method or task code differs")
     parser.add_argument("--command", default=None, help="the command that produced the runs, recorded in results.md")
@@ -1148,6 +1186,11 @@ def main() -> None:
     parser.add_argument("--target-metric", default=None,
                         help="the validation metric of --target (default: the task's objective, e.g. val_accuracy)")
     args = parser.parse_args()
+    if args.index is not None:
+        print(f"index of every experiment: {render_index(args.index)}")
+        return
+    if args.root is None or args.out is None:
+        parser.error("give a sweep directory and --out (or --index RESULTS)")
     target = (Target(args.target_metric, args.target, "given on the command line (--target)")
               if args.target is not None else None)
     try:

@@ -116,7 +116,7 @@ def test_a_workers_by_batch_sweep_shows_four_groups_each_in_its_own_style(tmp_pa
         assert xs == sorted(set(xs)) == [2, 4]
 
     # Mean ± std over the two seeds of each of the same four groups.
-    table = report.markdown_table(runs)
+    table = str(report.markdown_table(runs))
     for workers in (2, 4):
         for batch in (16, 32):
             accs = [100 * (0.5 + workers / 100 + batch / 1000 + seed / 500) for seed in (0, 1)]
@@ -129,7 +129,7 @@ def test_a_swept_learning_rate_gets_a_column_and_a_legend_entry(tmp_path):
     for lr in (1e-3, 3e-3):
         write_run(tmp_path, lr=lr)
     runs = report.load_runs(tmp_path)
-    header = table_row(report.markdown_table(runs), "| method |")
+    header = table_row(str(report.markdown_table(runs)), "| method |")
     assert header.startswith("| method | workers | per-worker batch | lr |")
     labels = report.plot_metric_vs_bits(runs, tmp_path / "bits.png").get_legend_handles_labels()[1]
     assert labels == ["G-Lion, lr=0.001", "G-Lion, lr=0.003"]
@@ -141,10 +141,10 @@ def test_a_method_setting_others_do_not_have_is_a_dash_in_their_rows_and_absent_
     for every in (10, 50):
         write_run(tmp_path / str(every), method="localsgd", **{"method.sync_every": every})
     runs = report.load_runs(tmp_path)
-    table = report.markdown_table(runs)
+    table = str(report.markdown_table(runs))
     assert table_row(table, "| G-Lion |").startswith("| G-Lion | 2 | 16 | — |")
     assert table_row(table, "| LocalSGD | 2 | 16 | 10 |")
-    pivot = report.pivot_table(runs, "workers")
+    pivot = str(report.pivot_table(runs, "workers"))
     assert table_row(pivot, "| G-Lion").startswith("| G-Lion |")  # not "G-Lion, sync_every=None"
     assert table_row(pivot, "| LocalSGD, sync_every=50 |")
 
@@ -155,7 +155,7 @@ def test_runs_with_and_without_the_last_sync_are_two_groups(tmp_path):
     for ended in (True, False):
         for seed in range(3):
             write_run(tmp_path / f"{ended}{seed}", method="localsgd", seed=seed, final_sync=ended)
-    pivot = report.pivot_table(report.load_runs(tmp_path), "workers")
+    pivot = str(report.pivot_table(report.load_runs(tmp_path), "workers"))
     for ended in (True, False):
         assert table_row(pivot, f"| LocalSGD, final sync {ended} |")
     assert table_row(pivot, "| G-Lion |")
@@ -186,11 +186,11 @@ def test_tables_show_the_test_headline_and_curves_the_validation_metric(tmp_path
     summary["splits"] = {"train": 1077, "validation": 270, "test": 450, "unit": "images", "seed": 0, "stratified": True}
     next(tmp_path.rglob("summary.json")).write_text(json.dumps(summary))
     runs = report.load_runs(tmp_path)
-    table = report.markdown_table(runs)
+    table = str(report.markdown_table(runs))
     header = table_row(table, "| method |").split(" | ")
     assert header[3:7] == ["test accuracy (%)", "test loss (nats)", "validation accuracy (%)", "validation loss (nats)"]
     assert table_row(table, "| G-Lion | 2 | 16 |").startswith("| G-Lion | 2 | 16 | 90.00 | 0.5000 | 80.00 |")
-    assert report.pivot_table(runs).startswith("test accuracy (%), mean ± std over seeds")
+    assert str(report.pivot_table(runs)).startswith("test accuracy (%), mean ± std over seeds")
     ax = report.plot_metric_curves(runs, tmp_path / "curves.png")
     assert ax.get_ylabel() == "validation accuracy (%)"
     assert set(ax.get_lines()[0].get_ydata()) == {80.0}
@@ -206,7 +206,7 @@ def test_the_few_shot_table_gives_mean_std_over_seeds_lm_evals_stderr_and_chance
                   fewshot_acc_stderr_nextline=err, fewshot_acc_norm_nextline=0.5, fewshot_chance_nextline=0.25)
     write_run(tmp_path, method="lion", task="shakespeare", fewshot_acc_nextline=0.26,
               fewshot_acc_stderr_nextline=0.03, fewshot_chance_nextline=0.25)
-    table = report.fewshot_table(report.load_runs(tmp_path))
+    table = str(report.fewshot_table(report.load_runs(tmp_path)))
     assert "chance: nextline 25%" in table
     assert "| D-Lion (Avg) | 2 | 16 | 2 | 35.0 ± 7.1 [3.0] |" in table  # stdev of 30, 40 = 7.07
     assert "| G-Lion | 2 | 16 | 1 | 26.0 [3.0] |" in table
@@ -223,7 +223,7 @@ def test_the_fault_table_puts_honest_runs_at_k0_of_every_kind_and_averages_seeds
             path.write_text(json.dumps(summary | {"faults_k": k, "faults_kind": kind}))
     write_run(tmp_path / "old", method="lion", workers=8, test_accuracy=0.6)  # before faults: honest, k = 0
     runs = report.load_runs(tmp_path)
-    table = report.fault_table(runs)
+    table = str(report.fault_table(runs))
     flip, scaled = table_row(table, "| D-Lion (Avg) | flip |"), table_row(table, "| D-Lion (Avg) | scaled |")
     assert flip.split(" | ")[2:] == ["85.00 ± 7.07 (n=2)", "60.00 ± 14.14 (n=2)", "30.00 ± 14.14 (n=2) |"]
     assert scaled.split(" | ")[2:] == ["85.00 ± 7.07 (n=2)", "80.00 ± 7.07 (n=2)", "— |"]

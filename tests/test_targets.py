@@ -131,7 +131,7 @@ def test_no_seed_reaching_is_not_reached_and_one_seed_is_its_value(tmp_path):
     runs = report.load_runs(tmp_path / "runs")
     targets = report.task_targets(runs)
     report.reach_targets(runs, targets)
-    table = report.time_to_target_table(runs, targets)
+    table = str(report.time_to_target_table(runs, targets))
     assert row(table, "| G-Lion |")[3:] == ["1", "0/1 (1/1 not reached)", "not reached", "not reached",
                                             "not reached"]
     assert row(table, "| G-AdamW |")[3:] == ["1", "1/1", "12", "12.0", "720.0"]
@@ -174,11 +174,11 @@ def test_every_task_config_names_a_validation_target_and_how_it_was_obtained():
 def test_mean_std_and_n_from_per_seed_summaries(tmp_path):
     runs = write_seeds(tmp_path)
     mean, std = by_hand([100 * TEST_ACCURACY[s] for s in (0, 1, 2)])
-    cells = row(report.markdown_table(runs), "| G-Lion |")
+    cells = row(str(report.markdown_table(runs)), "| G-Lion |")
     assert cells[3] == f"{mean:.2f} ± {std:.2f}" and cells[7] == "3"  # test accuracy, n
     bits_mean = sum(bits_per_step(s) for s in (0, 1, 2)) / 3
     assert cells[10] == f"{bits_mean:.3f}"  # total bits/param/iter: the mean over seeds, not the first seed's
-    assert row(report.pivot_table(runs), "| G-Lion |")[1] == f"{mean:.2f} ± {std:.2f} (n=3)"
+    assert row(str(report.pivot_table(runs)), "| G-Lion |")[1] == f"{mean:.2f} ± {std:.2f} (n=3)"
     ax = report.plot_metric_vs_bits_per_iter(runs, tmp_path / "bits.png")
     (bar,) = ax.containers
     assert list(bar.lines[0].get_xdata()) == [bits_mean] and list(bar.lines[0].get_ydata()) == pytest.approx([mean])
