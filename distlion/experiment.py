@@ -433,7 +433,8 @@ def main() -> None:
                 target = spec_target(spec, runs_dir, args.conf_dir if args.set_target else None)
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
                                 notes=spec.get("description"), target=target, strict=args.strict,
-                                reference=method_info(report.get("reference", "adamw")).label)
+                                reference=method_info(report.get("reference", "adamw")).label,
+                                links=[str(link) for link in report.get("links") or []])
             if report.get("links"):  # simulated runs at links they never used: the cost model's time
                 write_modelled(runs, results_dir, [str(link) for link in report["links"]])
                 print(f"modelled wall-clock in {results_dir / 'modelled_time.md'}")

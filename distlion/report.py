@@ -1085,11 +1085,13 @@ def provenance(runs: list[Run]) -> tuple[str, list[str]]:
 def write_report(
     root: Path, out: Path, command: str | None = None, columns: str | None = None, notes: str | None = None,
     target: Target | Mapping[str, Any] | None = None, strict: bool = False, reference: str | None = "G-AdamW",
+    links: list[str] | None = None,
 ) -> list[Run]:
     """Tables, CSVs, plots and a static HTML page for the runs under `root`, written into `out`. `target`
     ({metric, value, source}, e.g. a spec's `report.target`) overrides the targets the runs' configs name.
     `strict`: refuse (ProvenanceError, nothing written) a table of dirty runs or of commits whose code differs.
-    `reference`: the method label every other is compared with, seed by seed (None: no comparison)."""
+    `reference`: the method label every other is compared with, seed by seed (None: no comparison). `links`:
+    link rates (e.g. "100mbit") whose modelled training time the page also charts (`distlion.wallclock`)."""
     runs = load_runs(root)
     origin, problems = provenance(runs)
     if strict and problems:
@@ -1164,8 +1166,19 @@ def write_report(
                               "accuracy-vs-bits")
     caption = (f"Interactive: final {metric.display} against bits per parameter per iteration, one point per group "
                f"(mean, bars ±1 std, {_seeds(group_runs(runs))}); hover a point for its settings, mean ± std and n.")
+    charts = [(caption, chart)]
+    if links:
+        from distlion.wallclock import modelled_points  # it reads this module's groups: imported here
+
+        for link in links:
+            charts.append((
+                f"Interactive: final {metric.display} against the modelled training time on {link} links (the cost "
+                f"model, `modelled_time.md`), one point per group ({_seeds(group_runs(runs))}); hover for settings, "
+                "mean ± std and n.",
+                interactive_chart(modelled_points(runs, link), f"modelled training time on {link} links (s)",
+                                  metric.display, f"accuracy-vs-time-{link}")))
     render_page(f"Results: {out.name}", parts[1:], out / "index.html", out / "README.md",  # [0]: the heading
-                charts=[(caption, chart)])
+                charts=charts)
     return runs
 
 

@@ -33,6 +33,7 @@ from distlion.report import (
     line_styles,
     load_runs,
     mean_curve,
+    report_metrics,
     save_plot,
     steady_phase_times,
     varying_keys,
@@ -178,18 +179,42 @@ def modelled_step(run: Run, link: Link, compute: float | None = None) -> float:
     return compute + times["time_encode"] / workers + times["time_comm"] + times["time_apply"] + comm
 
 
+def shape_compute(runs: list[Run]) -> dict[tuple, float]:
+    """One rank's forward and backward seconds per step per task, worker count and batch: every method runs the same
+    ones, and the median over the runs keeps a run slowed by another process on the shared cores from looking slow."""
+    by_shape: dict[tuple, list[float]] = {}
+    for r in runs:
+        by_shape.setdefault((r["task"], r["workers"], r["per_worker_batch"]), []).append(rank_compute(r))
+    return {shape: statistics.median(seconds) for shape, seconds in by_shape.items()}
+
+
+def modelled_points(runs: list[Run], link: str) -> list[dict[str, Any]]:
+    """Per group: the final headline metric (mean, std, n) against the modelled training time of its runs on `link`
+    (steps x modelled seconds per step, mean over seeds), for the interactive chart (`distlion.pages`)."""
+    metric, keys = report_metrics(runs)[0], varying_keys(runs)
+    compute = shape_compute(runs)
+    points = []
+    for values, members in group_runs(runs, keys).items():
+        scores = [metric.scale * m[metric.key] for m in members if m.get(metric.key) is not None]
+        if not scores:
+            continue
+        times = [r["steps"] * modelled_step(r, link_of(link), compute[(r["task"], r["workers"], r["per_worker_batch"])])
+                 for r in members]
+        points.append({"method": members[0]["label"], "settings": legend_text(keys, values),
+                       "x": statistics.fmean(times), "y": statistics.mean(scores),
+                       "std": statistics.stdev(scores) if len(scores) > 1 else 0.0, "n": len(scores),
+                       "shown": f"{statistics.mean(scores):.{metric.decimals}f}"
+                                + (f" ± {statistics.stdev(scores):.{metric.decimals}f}" if len(scores) > 1 else "")})
+    return points
+
+
 def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:
     """`modelled_time.md` and one plot per link: each group's modelled seconds per step, and its validation metric
     (mean over seeds) against modelled training time. Returns the Markdown."""
     metric = curve_metric(runs)
     keys = varying_keys(runs)
     groups = group_runs(runs, keys)
-    # Every method runs the same forward and backward per rank; one compute time per task, worker count and batch
-    # (the median over the runs) keeps a run slowed by another process on the shared cores from looking slow here.
-    by_shape: dict[tuple, list[float]] = {}
-    for r in runs:
-        by_shape.setdefault((r["task"], r["workers"], r["per_worker_batch"]), []).append(rank_compute(r))
-    compute = {shape: statistics.median(seconds) for shape, seconds in by_shape.items()}
+    compute = shape_compute(runs)
 
     def seconds(r: Run, link: str) -> float:
         return modelled_step(r, link_of(link), compute[(r["task"], r["workers"], r["per_worker_batch"])])

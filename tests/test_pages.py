@@ -137,3 +137,20 @@ def test_the_index_links_every_experiment_with_its_headline_and_figure(sweep):
         assert (sweep / source).is_file() and "://" not in source, source
     assert "results/metric_vs_bits_per_iter.png" in page.images
     assert "The reading" in (sweep / "index.html").read_text()  # the README's title is the headline
+
+
+def test_a_spec_with_links_also_charts_accuracy_against_modelled_time(sweep):
+    from distlion.wallclock import modelled_points
+
+    write_report(sweep / "runs", sweep / "linked", "cmd", links=["100mbit"])
+    text = (sweep / "linked" / "index.html").read_text()
+    assert 'id="accuracy-vs-time-100mbit"' in text and "modelled training time on 100mbit links (s)" in text
+    points = {p["method"]: p for p in modelled_points(report_runs(sweep), "100mbit")}
+    # G-AdamW's 64 bits per parameter per step cost more modelled time on the slow link than MaVo's 2
+    assert points["G-AdamW"]["x"] > points["D-Lion (MaVo)"]["x"] > 0 and points["G-AdamW"]["n"] == 2
+
+
+def report_runs(sweep: Path) -> list[dict]:
+    from distlion.report import load_runs
+
+    return load_runs(sweep / "runs")
