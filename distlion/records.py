@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from distlion.runio import atomic_write_text, read_summary
+from distlion.runio import atomic_write_text, config_hash, read_summary
 
 VERSION = 1
 STAGES = ("tuning", "final", "pretrain")
@@ -132,8 +132,9 @@ def pack_spec(spec_dir: Path, records_dir: Path) -> dict[str, int]:
 
 
 def migrate_stage(stage_dir: Path) -> dict[str, str]:
-    """Rename the stage's run folders to their config hash (the old layout named them by their overrides) and
-    write its index of every finished run; the old name -> the hash. A folder whose hash another folder of the
+    """Rename the stage's run folders to their config hash (the old layout named them by their overrides), those
+    stopped part-way with checkpoints too (they resume there), and write its index of every finished run; the old
+    name -> the hash of the finished ones. A folder whose hash another folder of the
     stage already holds is a copy of the same run (the old layout copied finished twins) and is dropped once its
     summary is found to hold the same numbers."""
     moved: dict[str, str] = {}
@@ -155,6 +156,12 @@ def migrate_stage(stage_dir: Path) -> dict[str, str]:
         else:
             run_dir.rename(target)
         moved[run_dir.name] = name
+    for run_dir in sorted(p for p in stage_dir.iterdir() if p.is_dir() and not (p / "summary.json").exists()
+                          and (p / "config.yaml").is_file() and any(p.glob("checkpoint*.pt"))):
+        # A run stopped part-way: its checkpoints resume under its hash, as the runner will look for it.
+        target = stage_dir / config_hash(OmegaConf.load(run_dir / "config.yaml"))
+        if run_dir != target and not target.exists():
+            run_dir.rename(target)
     points = {f"(recorded as {old})": new for old, new in moved.items()}
     points.update({f"(recorded as {p.name})": p.name for p in finished_runs(stage_dir) if p.name not in moved.values()})
     if not (stage_dir / INDEX).is_file():

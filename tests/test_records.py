@@ -37,19 +37,28 @@ def test_the_migration_keeps_every_number_and_the_records_restore_them(make_cfg,
             stage / name)
     twin = stage / "a-copy-of-the-same-run"  # the old layout's copied twin: same config hash, same numbers
     shutil.copytree(stage / old_names[0], twin)
+    stopped = stage / "cluster.workers=2,method=lion,seed=0"  # stopped part-way: a checkpoint, no summary
+    cfg = make_cfg("train.steps=3", "cluster.workers=2", "cluster.per_worker_batch=8", "method=lion")
+    stopped.mkdir()
+    (stopped / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (stopped / "checkpoint.pt").write_bytes(b"")
     before = {json.loads((stage / n / "summary.json").read_text())["config_hash"]: files_of(stage / n)
               for n in old_names}
 
     moved = migrate_stage(stage)
     assert sorted(moved) == sorted([*old_names, twin.name]) and set(moved.values()) == set(before)
-    assert sorted(p.name for p in stage.iterdir() if p.is_dir()) == sorted(before)  # the twin folded into one
+    from distlion.runio import config_hash as hash_of
+
+    resumed = stage / hash_of(cfg)  # the stopped run moved to where the runner will look for its checkpoint
+    assert (resumed / "checkpoint.pt").exists() and not stopped.exists()
+    assert sorted(p.name for p in stage.iterdir() if p.is_dir()) == sorted([*before, resumed.name])  # twin folded
     index = json.loads((stage / "index.json").read_text())["points"]
     assert set(index.values()) == set(before) and len(index) == 3  # each old name -> its hash
     for config_hash, files in before.items():
         assert files_of(stage / config_hash) == files
 
     records = tmp_path / "results" / "spec" / "records"
-    assert pack(stage, records, "final") == 2
+    assert pack(stage, records, "final") == 2  # the finished runs
     shutil.rmtree(tmp_path / "runs")
     assert unpack(records, tmp_path / "runs" / "spec") == 2
     for config_hash, files in before.items():

@@ -118,15 +118,10 @@ def build_method(name: str, **hparams: Any) -> Method:
 
 
 def variant_of(name: str, hparams: Mapping[str, Any]) -> MethodInfo:
-    """The registered variant a run of method `name` with these settings is: `name` itself when it is a registered
-    (config) name whose fixed settings the run has, as summaries record it; else, for summaries that recorded the
-    class name (before one name per method), the class's variant these settings make (most fixed settings matched
-    first; a setting the run does not record counts as its default)."""
-    info = METHODS.get(name)
-    if info is not None:
-        defaults = hyperparameters(info.cls)
-        if all(hparams.get(k, defaults[k]) == v for k, v in info.fixed.items()):
-            return info
+    """The registered variant a run of method `name` (its registered config name, as summaries record it, or its
+    class name, as they did before one name per method) with these settings is: the variant of that class these
+    settings make (most fixed settings matched first; a setting the run does not record counts as its default)."""
+    name = METHODS[name].cls.name if name in METHODS else name
     candidates = [i for i in METHODS.values() if i.cls.name == name]
     if not candidates:
         raise ValueError(f"no registered method has class name {name!r}")
