@@ -28,10 +28,12 @@ import argparse
 import fcntl
 import itertools
 import json
+import math
 import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -167,6 +169,90 @@ def final_sweeps(spec: dict[str, Any], choices: list[Choice]) -> list[str]:
             chosen = chosen_settings((exact or own)[0]) if points else {}
             sweeps.append(shlex.join([*point, *(f"method.{k}={show(v)}" for k, v in chosen.items())]))
     return sweeps
+
+
+def optuna_search(spec: dict, tuning: Any, space: Any, sampler_seed: int, n_trials: int, extra: list[str],
+                  trials_dir: Path, conf_dir: Path) -> list[float]:
+    """`n_trials` points of `space` drawn by optuna's TPE sampler (seeded), each run at the tuning's seeds like a
+    grid point (same budget, same folder: a point both searches draw runs once) and scored by the mean validation
+    objective over them; the objectives in trial order (nan: a trial that failed). Rerunning it draws the same
+    points, so finished trials are skipped."""
+    import optuna
+
+    from distlion.tuning import _objective, load_trials, make_point, suggest, trial_point
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=sampler_seed))  # minimizes sign x objective
+    objectives = []
+    for _ in range(n_trials):
+        trial = study.ask()
+        settings = suggest(trial, space)
+        sweep = shlex.join([f"method={space.method}", *shlex.split(tuning.sweep),
+                            *(f"method.{k}={show(v)}" for k, v in settings.items())])
+        commands = sweep_commands({**trial_spec(spec, tuning), "sweeps": [sweep]}, extra, trials_dir)
+        _run_sweeps([with_config_dir(c, conf_dir) for c in unfinished(commands, conf_dir)])
+        wanted = make_point(settings)
+        runs = [r for r in load_trials(trials_dir) if r.get("seed") in tuning.seeds
+                and all(_close_enough(v, dict(trial_point(r, space)).get(k)) for k, v in wanted)]
+        if len(runs) < len(tuning.seeds):
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            objectives.append(math.nan)
+            continue
+        key, higher, _ = _objective(runs[0], tuning.objective)
+        value = statistics.mean(r[key] for r in runs[:len(tuning.seeds)])
+        study.tell(trial, -value if higher else value)
+        objectives.append(value)
+    return objectives
+
+
+def _close_enough(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_close_enough, a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+    return a == b
+
+
+def compare_samplers(spec: dict, tuning: Any, extra: list[str], base_dir: Path, results_dir: Path, conf_dir: Path,
+                     sampler_seeds: tuple[int, ...] = (0, 1, 2)) -> str:
+    """The grid against optuna's TPE at the same trial budget per method (the grid's number of points), TPE over
+    `sampler_seeds`: the best validation objective each reached, into `samplers.md`. The grid's trials are the
+    spec's tuning trials (run them first: --tune-only)."""
+    from distlion.tuning import select
+
+    choices = select(load_trials_of(base_dir / "tuning"), tuning)
+    lines = ["# Grid against optuna (TPE) at the same trial budget\n",
+             f"Each method: the grid's points, and as many TPE trials (seeds {list(sampler_seeds)} of the sampler), "
+             f"each trial at the tuning seeds {list(tuning.seeds)} with the same budget; the best mean validation "
+             "objective each reached. TPE's trials: `runs/<spec>/tuning_optuna/` (a point both draw runs once).\n",
+             "| method | trials | grid best | " + " | ".join(f"TPE seed {s}" for s in sampler_seeds)
+             + " | TPE mean | better |", "|---|---:|---:|" + "---:|" * len(sampler_seeds) + "---:|---|"]
+    for space in tuning.spaces:
+        choice = next((c for c in choices if c.method == space.method), None)
+        if choice is None:
+            continue
+        n = len(space.points())
+        higher = choice.higher_is_better
+        bests = []
+        for seed in sampler_seeds:
+            found = [v for v in optuna_search(spec, tuning, space, seed, n, extra, base_dir / "tuning_optuna",
+                                              conf_dir) if not math.isnan(v)]
+            bests.append((max if higher else min)(found) if found else math.nan)
+        grid, tpe = choice.score(choice.best), statistics.mean(bests)
+        better = "grid" if (grid >= tpe if higher else grid <= tpe) else "TPE"
+        scale = choice.scale
+        lines.append(f"| {choice.label} | {n} | {scale * grid:.4g} | " + " | ".join(f"{scale * b:.4g}" for b in bests)
+                     + f" | {scale * tpe:.4g} | {better} |")
+    text = "\n".join(lines) + "\n"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "samplers.md").write_text(text)
+    return text
+
+
+def load_trials_of(path: Path) -> list[dict]:
+    from distlion.tuning import load_trials
+
+    return load_trials(path) if path.is_dir() else []
 
 
 def pretrain_command(spec: dict, extra: list[str], run_dir: Path) -> list[str]:
@@ -344,6 +430,9 @@ def main() -> None:
     parser.add_argument("--no-records", action="store_true",
                         help="train what runs/<name>/ lacks even where results/<name>/records/ holds it (a demo "
                              "that shows the training; the records keep their first copy)")
+    parser.add_argument("--compare-samplers", action="store_true",
+                        help="after the tuning's grid trials: optuna's TPE at the same trial budget over 3 sampler "
+                             "seeds, the best objective each reached into results/<name>/samplers.md")
     parser.add_argument("--estimate", action="store_true",
                         help="train nothing: print runs x steps x seconds per step = device-hours on the runs' "
                              "train.device (distlion/estimate.py)")
@@ -411,6 +500,8 @@ def main() -> None:
         except (FileNotFoundError, SpecError) as err:
             print(f"distlion: error: {err}", file=sys.stderr)
             sys.exit(1)
+        if args.compare_samplers:
+            print(compare_samplers(spec, tuning, args.overrides + launcher, base_dir, results_dir, args.conf_dir))
         if args.tune_only:
             return
         spec = {**spec, "sweeps": final_sweeps(spec, choices)}  # each point at its own chosen settings

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from distlion.runio import atomic_write_text, config_hash, read_summary
 
 VERSION = 1
-STAGES = ("tuning", "final", "pretrain")
+STAGES = ("tuning", "tuning_optuna", "final", "pretrain")
 INDEX = "index.json"
 _FILES = ("config.yaml", "metrics.jsonl", "summary.json", "shards.json")
 

@@ -621,3 +621,21 @@ def write_tuning(spec: dict[str, Any], tuning: Tuning, trials_dir: Path, results
         print(f"distlion: wrote {path}", flush=True)
     return choices
 
+
+
+def suggest(trial: Any, space: Space) -> dict[str, Any]:
+    """The method settings an optuna trial draws from `space`: lr (and a range of lr x wd) log-uniform over the
+    grid's range, rounded to 3 significant digits as grid points are; listed values as categories (by index: optuna's
+    categories are scalars, betas are lists)."""
+    settings: dict[str, Any] = {}
+    for axis in space.axes:
+        if axis.name in ("lr", "lr_x_wd") and len(axis.values) > 1 and axis.ordered and min(axis.values) > 0:
+            value = _round(trial.suggest_float(axis.name, min(axis.values), max(axis.values), log=True))
+        elif len(axis.values) == 1:
+            value = axis.values[0]
+        else:
+            value = axis.values[trial.suggest_categorical(axis.name, list(range(len(axis.values))))]
+        settings[axis.name] = value
+    if "lr_x_wd" in settings:
+        settings["weight_decay"] = _round(settings.pop("lr_x_wd") / settings["lr"])
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}

@@ -414,3 +414,47 @@ def test_final_runs_take_the_choice_of_their_own_workers(tmp_path):
     with pytest.raises(SpecError, match="2 tuned settings of adamw fit"):  # which of the two? say so
         final_sweeps({"sweeps": ["method=adamw cluster.workers=16"]}, choices)
     assert final_sweeps({"sweeps": ["method=dlion"]}, choices) == ["method=dlion"]  # not tuned: its config
+
+
+def test_optuna_draws_from_the_same_space_as_the_grid():
+    import optuna
+
+    from distlion.tuning import suggest
+
+    lion = parse_tuning(tuning_spec(grid_points_per_decade=3, spaces=LM_SPACES)).space("lion")
+    drawn = suggest(optuna.trial.FixedTrial({"lr": 0.0012345, "weight_decay": 2, "betas": 1}), lion)
+    assert drawn == {"lr": 0.00123, "weight_decay": 1.0, "betas": [0.95, 0.98]}  # 3 digits; listed values by index
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    for _ in range(20):  # every draw inside the grid's ranges and among its listed values
+        trial = study.ask()
+        drawn = suggest(trial, lion)
+        assert 2.15e-4 <= drawn["lr"] <= 2.15e-3 and drawn["weight_decay"] in (0.0, 0.1, 1.0)
+        assert drawn["betas"] in ([0.9, 0.99], [0.95, 0.98])
+        study.tell(trial, drawn["lr"])
+    dlion = parse_tuning(tuning_spec()).space("dlion")  # lr x wd over [1e-5, 1e-4]: weight decay = product / lr
+    drawn = suggest(optuna.trial.FixedTrial({"lr": 1e-4, "lr_x_wd": 3e-5}), dlion)
+    assert drawn == {"lr": 1e-4, "weight_decay": 0.3}
+
+
+@pytest.mark.slow
+def test_grid_against_optuna_at_the_same_budget(tmp_path):
+    spec = tmp_path / "samplers.yaml"
+    spec.write_text("name: samplers\nbase: [task=digits, train.steps=2, cluster.workers=2, cluster.per_worker_batch=8,"
+                    " logger=none, train.progress=false]\nsweeps: [method=adamw]\nseeds: [0]\ntuning:\n"
+                    "  seeds: [100]\n  grid_points_per_decade: 1\n  spaces:\n    adamw: {lr: [1e-3, 1e-2]}\n")
+    done = subprocess.run([sys.executable, "-m", "distlion.experiment", str(spec), "--out", str(tmp_path),
+                           "--tune-only", "--accept-edge", "--compare-samplers", "--conf-dir", str(tmp_path / "conf")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (tmp_path / "results" / "samplers" / "samplers.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| G-AdamW |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2" and cells[-1] in ("grid", "TPE")  # the grid's budget, spent by TPE too
+    grid = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "samplers" / "tuning").glob("*/summary.json")]
+    tpe = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "samplers" / "tuning_optuna").glob("*/summary.json")]
+    assert len(grid) == 2 and 1 <= len(tpe) <= 3 * 2  # 3 sampler seeds x 2 trials, a point drawn twice runs once
+    assert float(cells[2]) == pytest.approx(100 * max(s["val_accuracy"] for s in grid), abs=1e-2)
+    for s in tpe:
+        assert 1e-3 <= s["lr"] <= 1e-2 and s["seed"] == 100 and "test_accuracy" not in s  # trials never test
+    records = tmp_path / "results" / "samplers" / "records"
+    assert (records / "tuning.jsonl.gz").exists()
