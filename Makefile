@@ -20,7 +20,7 @@ demo: setup  ## the main job on the embedded digits data: a method x workers x 3
 	$(VENV)/bin/distlion-experiment experiments/demo.yaml --jobs 2 --no-records
 	@echo "open results/demo/index.html in a browser (every experiment: results/index.html)"
 
-test: setup  ## the test suite (about 12-15 minutes on 2 cores once installed)
+test: setup  ## the test suite (about 15-20 minutes on 2 cores once installed)
 	$(VENV)/bin/pytest -q
 
 bench: setup  ## speed ratios measured side by side; writes results/bench.md
