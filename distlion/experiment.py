@@ -179,7 +179,7 @@ def optuna_search(spec: dict, tuning: Any, space: Any, sampler_seed: int, n_tria
     points, so finished trials are skipped."""
     import optuna
 
-    from distlion.tuning import _objective, load_trials, make_point, suggest, trial_point
+    from distlion.tuning import _close, _objective, load_trials, make_point, suggest, trial_point
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=sampler_seed))  # minimizes sign x objective
@@ -193,7 +193,7 @@ def optuna_search(spec: dict, tuning: Any, space: Any, sampler_seed: int, n_tria
         _run_sweeps([with_config_dir(c, conf_dir) for c in unfinished(commands, conf_dir)])
         wanted = make_point(settings)
         runs = [r for r in load_trials(trials_dir) if r.get("seed") in tuning.seeds
-                and all(_close_enough(v, dict(trial_point(r, space)).get(k)) for k, v in wanted)]
+                and all(_close(v, dict(trial_point(r, space)).get(k)) for k, v in wanted)]
         if len(runs) < len(tuning.seeds):
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             objectives.append(math.nan)
@@ -205,22 +205,14 @@ def optuna_search(spec: dict, tuning: Any, space: Any, sampler_seed: int, n_tria
     return objectives
 
 
-def _close_enough(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(map(_close_enough, a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
-    return a == b
-
-
 def compare_samplers(spec: dict, tuning: Any, extra: list[str], base_dir: Path, results_dir: Path, conf_dir: Path,
                      sampler_seeds: tuple[int, ...] = (0, 1, 2)) -> str:
     """The grid against optuna's TPE at the same trial budget per method (the grid's number of points), TPE over
     `sampler_seeds`: the best validation objective each reached, into `samplers.md`. The grid's trials are the
     spec's tuning trials (run them first: --tune-only)."""
-    from distlion.tuning import select
+    from distlion.tuning import load_trials, select
 
-    choices = select(load_trials_of(base_dir / "tuning"), tuning)
+    choices = select(load_trials(base_dir / "tuning"), tuning)
     lines = ["# Grid against optuna (TPE) at the same trial budget\n",
              f"Each method: the grid's points, and as many TPE trials (seeds {list(sampler_seeds)} of the sampler), "
              f"each trial at the tuning seeds {list(tuning.seeds)} with the same budget; the best mean validation "
@@ -247,12 +239,6 @@ def compare_samplers(spec: dict, tuning: Any, extra: list[str], base_dir: Path, 
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "samplers.md").write_text(text)
     return text
-
-
-def load_trials_of(path: Path) -> list[dict]:
-    from distlion.tuning import load_trials
-
-    return load_trials(path) if path.is_dir() else []
 
 
 def pretrain_command(spec: dict, extra: list[str], run_dir: Path) -> list[str]:
@@ -516,6 +502,7 @@ def main() -> None:
     if not args.report_only:  # what finished, packed beside the tables (committed with them)
         pack_spec(base_dir, results_dir / "records")
     report = spec.get("report", {})
+    links = [str(link) for link in report.get("links") or []]
     with report_lock(runs_dir):
         failures = read_failures(runs_dir)
         try:
@@ -524,10 +511,9 @@ def main() -> None:
                 target = spec_target(spec, runs_dir, args.conf_dir if args.set_target else None)
             runs = write_report(runs_dir, results_dir, shown, columns=report.get("columns"),
                                 notes=spec.get("description"), target=target, strict=args.strict,
-                                reference=method_info(report.get("reference", "adamw")).label,
-                                links=[str(link) for link in report.get("links") or []])
-            if report.get("links"):  # simulated runs at links they never used: the cost model's time
-                write_modelled(runs, results_dir, [str(link) for link in report["links"]])
+                                reference=method_info(report.get("reference", "adamw")).label, links=links)
+            if links:  # simulated runs at links they never used: the cost model's time
+                write_modelled(runs, results_dir, links)
                 print(f"modelled wall-clock in {results_dir / 'modelled_time.md'}")
             if "netem" in spec:  # measured and modelled step times per link, time to target per link
                 value = Target.of(target).value if target is not None else None

@@ -15,8 +15,7 @@ from typing import Any
 from jinja2 import Environment
 from markdown_it import MarkdownIt
 
-_MD = MarkdownIt("commonmark").enable("table")  # raw HTML in the text is escaped (commonmark's html off by option)
-_MD.options["html"] = False
+_MD = MarkdownIt("commonmark", {"html": False}).enable("table")  # raw HTML in the text is escaped, never passed
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 0 auto; max-width: 1500px; padding: 1em 2em; color: #222; }

@@ -34,7 +34,6 @@ from distlion.runio import atomic_write_text, config_hash, read_summary
 VERSION = 1
 STAGES = ("tuning", "tuning_optuna", "final", "pretrain")
 INDEX = "index.json"
-_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "shards.json")
 
 
 def stage_dirs(spec_dir: Path) -> dict[str, Path]:

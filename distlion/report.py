@@ -25,7 +25,7 @@ import os
 import statistics
 import subprocess
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,16 +69,17 @@ def _seeds(groups: dict[tuple, list[Run]]) -> str:
         f"n = {ns[0]} to {ns[-1]} seeds per group"
 
 
-def chart_points(runs: list[Run]) -> list[dict[str, Any]]:
-    """Per group: the final headline metric (mean, std, n) against its bits per parameter per iteration, for the
-    interactive accuracy-against-bits chart (`distlion.pages.interactive_chart`)."""
+def chart_points(runs: list[Run], x: Callable[[list[Run]], float] | None = None) -> list[dict[str, Any]]:
+    """Per group: the final headline metric (mean, std, n) against `x` of its runs (default: their bits per
+    parameter per iteration), for an interactive chart (`distlion.pages.interactive_chart`; log x: x > 0 only)."""
     metric, keys = report_metrics(runs)[0], varying_keys(runs)
+    x = x or (lambda members: _mean(members, "bits_per_param_per_iter"))
     points = []
     for values, members in group_runs(runs, keys).items():
         scores = [metric.scale * v for v in _values(members, metric.key)]
-        if scores and _mean(members, "bits_per_param_per_iter") > 0:
+        if scores and x(members) > 0:
             points.append({"method": members[0]["label"], "settings": legend_text(keys, values),
-                           "x": _mean(members, "bits_per_param_per_iter"), "y": statistics.mean(scores),
+                           "x": x(members), "y": statistics.mean(scores),
                            "std": statistics.stdev(scores) if len(scores) > 1 else 0.0, "n": len(scores),
                            "shown": _fmt(metric, _values(members, metric.key))})
     return points

@@ -26,6 +26,7 @@ import matplotlib
 from distlion.costmodel import Link, Transfer, calibrate, comm_seconds, transfers
 from distlion.report import (
     Run,
+    chart_points,
     curve_metric,
     first_reaching,
     group_runs,
@@ -33,7 +34,6 @@ from distlion.report import (
     line_styles,
     load_runs,
     mean_curve,
-    report_metrics,
     save_plot,
     steady_phase_times,
     varying_keys,
@@ -191,21 +191,14 @@ def shape_compute(runs: list[Run]) -> dict[tuple, float]:
 def modelled_points(runs: list[Run], link: str) -> list[dict[str, Any]]:
     """Per group: the final headline metric (mean, std, n) against the modelled training time of its runs on `link`
     (steps x modelled seconds per step, mean over seeds), for the interactive chart (`distlion.pages`)."""
-    metric, keys = report_metrics(runs)[0], varying_keys(runs)
     compute = shape_compute(runs)
-    points = []
-    for values, members in group_runs(runs, keys).items():
-        scores = [metric.scale * m[metric.key] for m in members if m.get(metric.key) is not None]
-        if not scores:
-            continue
-        times = [r["steps"] * modelled_step(r, link_of(link), compute[(r["task"], r["workers"], r["per_worker_batch"])])
-                 for r in members]
-        points.append({"method": members[0]["label"], "settings": legend_text(keys, values),
-                       "x": statistics.fmean(times), "y": statistics.mean(scores),
-                       "std": statistics.stdev(scores) if len(scores) > 1 else 0.0, "n": len(scores),
-                       "shown": f"{statistics.mean(scores):.{metric.decimals}f}"
-                                + (f" ± {statistics.stdev(scores):.{metric.decimals}f}" if len(scores) > 1 else "")})
-    return points
+
+    def seconds(members: list[Run]) -> float:
+        return statistics.fmean(r["steps"] * modelled_step(r, link_of(link), compute[(r["task"], r["workers"],
+                                                                                      r["per_worker_batch"])])
+                                for r in members)
+
+    return chart_points(runs, seconds)
 
 
 def write_modelled(runs: list[Run], out: Path, links: list[str]) -> str:
